@@ -1,0 +1,1 @@
+"""Offline mask discovery: calibration corpus, clustering, L0 mask training, baselines, evaluation."""

@@ -1,0 +1,1 @@
+"""Input-guided routing: sentence encoder and nearest-centroid mask lookup."""

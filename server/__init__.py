@@ -1,0 +1,1 @@
+"""Online serving: model registry, block-masked runner, engine, OpenAI-compatible API, metrics."""

