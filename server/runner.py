@@ -27,13 +27,14 @@ def _param_count(module: torch.nn.Module) -> int:
 
 
 class KVCache:
-    """Static per-layer K/V buffers: [slots, kv_heads, max_len, head_dim]."""
+    """Static per-layer K/V buffers: [slots + 1, kv_heads, max_len, head_dim]."""
 
     def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (slots, kv_heads, max_len, head_dim)
+        shape = (slots + 1, kv_heads, max_len, head_dim)  # + a scratch slot for padding writes
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.slots = slots
+        self.scratch = slots
         self.max_len = max_len
 
 
@@ -80,9 +81,10 @@ class BlockRunner:
         return self.params_per_token(dense) / self.params_per_token(mask)
 
     # ------------------------------------------------------------------ core forward
-    def _attention(self, layer_idx: int, x, cos, sin, attn_mask, slots, write_pos, kv_len):
-        """Self-attention on rows x [n, T, H]. With slots, K/V go to (and, in decode, come
-        from) the cache; write_pos is None for a prefill from position 0."""
+    def _attention(self, layer_idx: int, x, cos, sin, attn_mask, cache_rows):
+        """Self-attention on rows x [n, T, H]. With ``cache_rows`` = (read slots [n], write slots
+        [n, T], write positions [n, T]), new K/V go into the cache and the rows attend over their
+        cached prefix; without it they attend over x alone (the cache-free full forward)."""
         attn = self.layers[layer_idx].self_attn
         n, t, _ = x.shape
         q = attn.q_proj(x).view(n, t, self.num_heads, self.head_dim).transpose(1, 2)
@@ -91,20 +93,18 @@ class BlockRunner:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if slots is not None:
+        if cache_rows is not None:
+            slots, write_slots, write_pos = cache_rows
             ck, cv = self.cache.k[layer_idx], self.cache.v[layer_idx]
-            if write_pos is None:  # prefill: this row's sequence starts at position 0
-                ck[slots, :, :t] = k
-                cv[slots, :, :t] = v
-            else:  # decode: one new token per row, then attend over the cached prefix
-                ck[slots, :, write_pos] = k[:, :, 0]
-                cv[slots, :, write_pos] = v[:, :, 0]
-                k, v = _take(ck, slots, kv_len), _take(cv, slots, kv_len)
+            ck[write_slots, :, write_pos] = k.transpose(1, 2)
+            cv[write_slots, :, write_pos] = v.transpose(1, 2)
+            kv_len = attn_mask.shape[-1]
+            k, v = _take(ck, slots, kv_len), _take(cv, slots, kv_len)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=attn.scaling,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         return attn.o_proj(out.transpose(1, 2).reshape(n, t, self.num_heads * self.head_dim))
 
-    def _forward(self, ids, positions, gates, attn_mask, slots=None, write_pos=None, kv_len=0):
+    def _forward(self, ids, positions, gates, attn_mask, cache_rows=None):
         """Hidden states after the final norm, [B, T, H]."""
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
@@ -119,9 +119,11 @@ class BlockRunner:
             layer = self.layers[j // 2]
             x = h if rows is None else h.index_select(0, rows)
             if j % 2 == 0:
-                pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
-                out = self._attention(j // 2, layer.input_layernorm(x), pick(cos), pick(sin),
-                                      pick(attn_mask), pick(slots), pick(write_pos), kv_len)
+                if rows is None:
+                    out = self._attention(j // 2, layer.input_layernorm(x), cos, sin, attn_mask, cache_rows)
+                else:
+                    out = self._attention(j // 2, layer.input_layernorm(x), cos[rows], sin[rows], attn_mask[rows],
+                                          None if cache_rows is None else tuple(c[rows] for c in cache_rows))
             else:
                 out = layer.mlp(layer.post_attention_layernorm(x))
             if not hard:
@@ -152,36 +154,49 @@ class BlockRunner:
                              _prefill_mask(attention_mask, b, t, self.device))
 
     @torch.inference_mode()
+    def extend(self, chunks: list[list[int]], starts: list[int], masks: torch.Tensor, slots: list[int],
+               all_positions: bool = False) -> torch.Tensor:
+        """Append each row's chunk to its cache slot, whose first ``start`` positions are already
+        filled, and return logits: of each chunk's last token [B, V], or of every chunk position
+        [B, T, V] (right-padded) with ``all_positions``. Prefill and decode are both this call."""
+        dev = self.device
+        lengths = torch.tensor([len(c) for c in chunks], device=dev)
+        start_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        t = int(lengths.max())
+        kv_len = int((start_t + lengths).max())
+        if kv_len > self.max_len:
+            raise ValueError(f"sequence of {kv_len} tokens exceeds the runner's context of {self.max_len}")
+        if t == 1:
+            ids = torch.tensor(chunks, dtype=torch.long, device=dev)
+        else:
+            ids = torch.zeros(len(chunks), t, dtype=torch.long, device=dev)
+            for i, c in enumerate(chunks):
+                ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        positions = start_t[:, None] + torch.arange(t, device=dev)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        # Padding tokens of short rows write their K/V to the scratch slot, never over real entries.
+        valid = torch.arange(t, device=dev)[None, :] < lengths[:, None]
+        write_slots = torch.where(valid, slot_t[:, None], self.cache.scratch)
+        write_pos = torch.where(valid, positions, 0)
+        attn_mask = (torch.arange(kv_len, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
+        h = self._forward(ids, positions, self._gates(masks), attn_mask, (slot_t, write_slots, write_pos))
+        if all_positions:
+            return self.lm_head(h)
+        return self.lm_head(h[torch.arange(len(chunks), device=dev), lengths - 1])
+
     def prefill(self, prompts: list[list[int]], masks: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Run prompts from position 0 into their cache slots; logits of each last token [B, V]."""
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        t = int(lengths.max())
-        if t > self.max_len:
-            raise ValueError(f"prompt of {t} tokens exceeds the runner's context of {self.max_len}")
-        ids = torch.zeros(len(prompts), t, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        valid = torch.arange(t, device=self.device)[None, :] < lengths[:, None]
-        positions = torch.arange(t, device=self.device).expand(len(prompts), t)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        h = self._forward(ids, positions, self._gates(masks), _prefill_mask(valid, len(prompts), t, self.device),
-                          slots=slot_t)
-        last = h[torch.arange(len(prompts), device=self.device), lengths - 1]
-        return self.lm_head(last)
+        return self.extend(prompts, [0] * len(prompts), masks, slots)
 
-    @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], masks: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """One token per row at the given positions (= tokens already cached); logits [B, V]."""
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        kv_len = int(pos.max()) + 1
-        if kv_len > self.max_len:
-            raise ValueError(f"position {kv_len - 1} is past the runner's context of {self.max_len}")
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-        attn_mask = (torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
-        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        h = self._forward(ids, pos[:, None], self._gates(masks), attn_mask, slots=slot_t, write_pos=pos,
-                          kv_len=kv_len)
-        return self.lm_head(h[:, 0])
+        return self.extend([[tok] for tok in tokens], positions, masks, slots)
+
+    def copy_slot(self, src: int, dsts: list[int], length: int) -> None:
+        """Share a cached prefix: copy the first ``length`` positions of slot src into dsts."""
+        for ck, cv in zip(self.cache.k, self.cache.v):
+            ck[dsts, :, :length] = ck[src, :, :length]
+            cv[dsts, :, :length] = cv[src, :, :length]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -193,3 +193,18 @@ def test_soft_gates_share_the_hard_mask_path(tiny):
     gates = torch.full((2, 8), 0.7, requires_grad=True)
     runner.forward(ids, gates).logsumexp(-1).mean().backward()
     assert gates.grad is not None and gates.grad.abs().sum() > 0
+
+
+def test_extend_with_shared_prefix_equals_full_forward(tiny):
+    """A context prefilled once, copied to other slots and extended by different continuations
+    (as zero-shot scoring does) gives the logits of the full cache-free forward."""
+    runner = BlockRunner(tiny.model, max_slots=4, max_len=256)
+    mask = masks_for(8)["mixed"]
+    context, *conts = random_prompts(4, [21, 3, 7, 5], seed=6)
+    runner.prefill([context], mask[None], [0])
+    runner.copy_slot(0, [1, 2], len(context))
+    got = runner.extend(conts, [len(context)] * 3, mask.expand(3, -1), [0, 1, 2], all_positions=True)
+    for i, cont in enumerate(conts):
+        with torch.no_grad():
+            ref = runner.forward(torch.tensor([context + cont]), mask)[0, len(context):]
+        torch.testing.assert_close(got[i, : len(cont)], ref, atol=1e-4, rtol=1e-4)
