@@ -35,5 +35,30 @@ test: install
 bench: model
 	$(BIN)/igserve bench decode --model $(MODEL) --json bench/results/decode.json
 
+LOAD_USERS ?= 4
+LOAD_SPAWN_RATE ?= 2
+LOAD_TIME ?= 60s
+LOAD_TAGS ?=
+LOAD_ARGS ?=
+
+# Starts igserve on a free loopback port, waits for /health, runs locust headless against it
+# (stats in bench/results/locust_*.csv), then stops the server. LOAD_TAGS=ig or dense runs one variant.
+load: model
+	@mkdir -p bench/results
+	@port=$$($(BIN)/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'); \
+	$(BIN)/igserve serve --model $(MODEL) --bank $(BANK) --host 127.0.0.1 --port $$port $(SERVE_ARGS) \
+		> bench/results/load-server.log 2>&1 & pid=$$!; \
+	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; trap 'exit 130' INT TERM; \
+	echo "igserve (pid $$pid) on 127.0.0.1:$$port, log in bench/results/load-server.log"; \
+	ok=; for i in $$(seq 600); do \
+		if $(BIN)/python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$$port/health', timeout=2)" 2>/dev/null; \
+		then ok=1; break; fi; \
+		kill -0 $$pid 2>/dev/null || break; sleep 1; \
+	done; \
+	if [ -z "$$ok" ]; then echo "igserve did not become healthy; see bench/results/load-server.log" >&2; exit 1; fi; \
+	$(BIN)/locust -f load/locustfile.py --headless -u $(LOAD_USERS) -r $(LOAD_SPAWN_RATE) -t $(LOAD_TIME) \
+		--host http://127.0.0.1:$$port --csv bench/results/locust --only-summary \
+		$(if $(LOAD_TAGS),--tags $(LOAD_TAGS)) $(LOAD_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info
