@@ -194,9 +194,10 @@ class BlockRunner:
 
     def copy_slot(self, src: int, dsts: list[int], length: int) -> None:
         """Share a cached prefix: copy the first ``length`` positions of slot src into dsts."""
+        index = torch.tensor(dsts, dtype=torch.long, device=self.device)  # a list index is ~500x slower
         for ck, cv in zip(self.cache.k, self.cache.v):
-            ck[dsts, :, :length] = ck[src, :, :length]
-            cv[dsts, :, :length] = cv[src, :, :length]
+            ck[index, :, :length] = ck[src, :, :length]
+            cv[index, :, :length] = cv[src, :, :length]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

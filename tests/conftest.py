@@ -50,3 +50,140 @@ def real(real_model_dir):
     from server import models
 
     return models.load(models.DEFAULT_MODEL)
+
+
+# ---------------------------------------------------------------------------- serving
+# Three clearly different domains; the tiny bank's centroids are their embeddings.
+TINY_BANK_TEXTS = {
+    "code": "def quicksort(xs):\n    if len(xs) < 2:\n        return xs\n    pivot = xs[0]\n"
+            "    return quicksort([x for x in xs if x < pivot]) + [pivot]  # Python function",
+    "math": "Solve for x: 3x + 5 = 20. Then compute the derivative of f(x) = x^3 - 2x and the integral of x^2.",
+    "chat": "Hi there! How was your weekend? I went hiking with friends and we had a lovely picnic by the lake.",
+}
+# 2 of the tiny model's 8 blocks skipped per mask (25% block budget), a different pair per cluster.
+TINY_BANK_SKIPS = {"code": (1, 4), "math": (2, 7), "chat": (0, 5), "global": (3, 6)}
+TEST_API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def tiny_bank(tiny):
+    """A MaskBank for the tiny model: 3 clusters (code, math, chat) and a 'global' baseline."""
+    from masks.bank import MaskBank
+    from router.encoder import ENCODER_DIM, ENCODER_NAME, embed
+    from server.runner import block_names
+
+    names = block_names(TINY_LAYERS)
+
+    def mask(skip):
+        return [j not in skip for j in range(len(names))]
+
+    ids = list(TINY_BANK_TEXTS)
+    return MaskBank(
+        model={"name": tiny.name, "fingerprint": tiny.fingerprint},
+        encoder={"name": ENCODER_NAME, "dim": ENCODER_DIM},
+        sparsity=0.25, blocks=names, centroids=embed(list(TINY_BANK_TEXTS.values())).tolist(),
+        masks=[mask(TINY_BANK_SKIPS[i]) for i in ids], mask_ids=ids,
+        clusters=[{"size": 1, "examples": [TINY_BANK_TEXTS[i]]} for i in ids],
+        baselines={"global": mask(TINY_BANK_SKIPS["global"])},
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_bank_file(tiny_bank, tmp_path_factory):
+    path = tmp_path_factory.mktemp("banks") / "tiny.json"
+    tiny_bank.save(path)
+    return path
+
+
+class LiveServer:
+    """A real uvicorn server on 127.0.0.1 running in a thread of the test process."""
+
+    def __init__(self, cfg, bank=None):
+        import socket
+
+        import uvicorn
+
+        from server.api import create_app
+
+        self.cfg, self.bank, self.api_key = cfg, bank, cfg.api_key
+        self.failures = []
+        self.app = create_app(cfg, self.failures.append)
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
+        self._thread = None
+
+    def start(self, wait: bool = True) -> "LiveServer":
+        import threading
+
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        self._thread.start()
+        return self.wait_healthy() if wait else self
+
+    def wait_healthy(self, timeout: float = 120.0) -> "LiveServer":
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert not self.failures, self.failures
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server at {self.base_url} not healthy after {timeout}s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=60)
+        self._sock.close()
+
+    def metrics(self) -> dict:
+        """/metrics (no API key), parsed: {family name: prometheus_client Metric}."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.base_url + "/metrics").text
+        return {family.name: family for family in text_string_to_metric_families(text)}
+
+    def client(self, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", max_retries=0, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def serve_tiny(tiny_model_dir, tiny_bank, tiny_bank_file):
+    """Factory: start a live tiny-model server with the tiny bank; every one is stopped at the end."""
+    from server.api import ServeConfig
+
+    servers = []
+
+    def start(**overrides) -> LiveServer:
+        fields = dict(model=str(tiny_model_dir), bank=str(tiny_bank_file), api_key=TEST_API_KEY, max_batch=4,
+                      max_queue=8, max_tokens_limit=200, max_model_len=256)
+        server = LiveServer(ServeConfig(**{**fields, **overrides}), tiny_bank).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server(serve_tiny):
+    """The shared tiny-model server (tiny bank, API key); has .base_url, .api_key, .bank."""
+    return serve_tiny()
+
+
+def metric_value(families: dict, sample_name: str, **labels) -> float:
+    """Sum of the samples called ``sample_name`` whose labels include ``labels``."""
+    family = families.get(sample_name.removesuffix("_total").removesuffix("_count").removesuffix("_sum"))
+    if family is None:
+        return 0.0
+    return sum(s.value for s in family.samples if s.name == sample_name and labels.items() <= s.labels.items())

@@ -1,0 +1,208 @@
+"""Asyncio front of the synchronous engine: one background thread loops ``LLMEngine.step()``.
+
+New requests and aborts go through an inbox the thread drains between steps, so requests join
+and leave the running batch at step boundaries; each step's outputs are handed to the requests'
+asyncio queues with ``loop.call_soon_threadsafe``. Requests in the system (running + waiting) are
+bounded by slots + queue: past that ``submit`` raises ``QueueFull``. ``shutdown`` drains.
+``priority()`` lets a short CPU job (routing) run before the next step starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from contextlib import contextmanager
+
+from server.engine import LLMEngine, Request, StepOutput
+from server.metrics import ServingMetrics
+
+log = logging.getLogger("igserve.engine")
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue is full."""
+
+
+class EngineClosed(Exception):
+    """The engine is draining for shutdown and takes no new requests."""
+
+
+class RequestStream:
+    """Async iterator over one request's StepOutputs, ending after the finished one."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.items: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self.items.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int, metrics: ServingMetrics | None = None):
+        self.engine = engine
+        self.capacity = engine.max_batch + max_queue
+        self.metrics = metrics
+        self.num_running = 0  # written by the engine thread after each step
+        self.num_waiting = 0
+        self._streams: dict[str, RequestStream] = {}  # event-loop side: requests not yet finished
+        self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._gate = threading.Condition()  # guards _held: priority jobs that hold back new steps
+        self._held = 0
+        self._idle = asyncio.Event()
+        self._closing = False
+        self._stop = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ event-loop side
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="igserve-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a request; raises QueueFull or EngineClosed at once, never later."""
+        if self._closing:
+            raise EngineClosed("server is shutting down")
+        if self.full:
+            raise QueueFull(f"{len(self._streams)} requests in flight, the limit is {self.capacity}")
+        stream = RequestStream(request)
+        self._streams[request.request_id] = stream
+        self._idle.clear()
+        self._send("add", request)
+        return stream
+
+    def abort(self, request: Request) -> None:
+        """Drop a request (client gone); its slot is free at the next step. No-op once finished."""
+        if self._streams.pop(request.request_id, None) is not None:
+            self._send("abort", request)
+            self._check_idle()
+
+    @contextmanager
+    def priority(self):
+        """Hold back new engine steps while a short CPU job runs (routing a request: it is on the
+        request's critical path, and time-sharing with a stream of steps makes it several times
+        slower). The step in progress finishes; the next one waits for the job to end."""
+        with self._gate:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._held -= 1
+                self._gate.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def full(self) -> bool:
+        return len(self._streams) >= self.capacity
+
+    async def shutdown(self) -> None:
+        """Refuse new requests, let the ones in flight finish, then stop the thread."""
+        self._closing = True
+        if self._streams:
+            log.info("draining %d in-flight requests", len(self._streams))
+            await self._idle.wait()
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def _send(self, op: str, request: Request) -> None:
+        self._inbox.put((op, request))
+        self._wake.set()
+
+    def _deliver(self, items: list[tuple[Request, StepOutput | BaseException]]) -> None:
+        for req, item in items:
+            stream = self._streams.get(req.request_id)
+            if stream is None:  # aborted by its client
+                continue
+            stream.items.put_nowait(item)
+            if isinstance(item, BaseException) or item.finished:
+                del self._streams[req.request_id]
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self._streams:
+            self._idle.set()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        blocks = engine.blocks_executed.clone()
+        while True:
+            self._drain_inbox()
+            self._count()
+            if not engine.has_work():
+                if self._stop:
+                    return
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            with self._gate:
+                self._gate.wait_for(lambda: not self._held)
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a bug, not client input: fail what was in the batch, keep serving
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            if self.metrics is not None:
+                self.metrics.step(outputs, engine.blocks_executed - blocks, time.monotonic())
+            blocks = engine.blocks_executed.clone()
+            self._count()
+            if outputs:
+                self._loop.call_soon_threadsafe(self._deliver, [(out.request, out) for out in outputs])
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, req = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "add":
+                try:
+                    self.engine.add(req)
+                except ValueError as exc:
+                    self._loop.call_soon_threadsafe(self._deliver, [(req, exc)])
+                    continue
+                if self.metrics is not None:
+                    self.metrics.queued(req, time.monotonic())
+            elif not req.finished:
+                self.engine.abort(req)
+                if self.metrics is not None:
+                    self.metrics.finished(req, time.monotonic())
+
+    def _fail_all(self, exc: Exception) -> None:
+        failed = list(self.engine.running) + list(self.engine.waiting)
+        for req in failed:
+            self.engine.abort(req)
+            if self.metrics is not None:
+                self.metrics.finished(req, time.monotonic())
+        self._loop.call_soon_threadsafe(self._deliver, [(req, exc) for req in failed])
+
+    def _count(self) -> None:
+        running, waiting = len(self.engine.running), len(self.engine.waiting) + self._inbox.qsize()
+        if (running, waiting) != (self.num_running, self.num_waiting):
+            self.num_running, self.num_waiting = running, waiting
+            if self.metrics is not None:
+                self.metrics.queue_sizes(running, waiting)

@@ -1,0 +1,133 @@
+"""Prometheus metrics, ``igserve_`` prefix, label ``model_name``.
+
+Names and buckets follow vLLM's (``vllm:`` -> ``igserve_``) where the meaning is the same, so
+dashboards written for vLLM carry over. Label values are bounded: mask ids come from the bank,
+finish reasons and error types from fixed sets, never from the client.
+"""
+
+from __future__ import annotations
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from server.engine import Request, StepOutput
+
+REGISTRY = CollectorRegistry()
+LABEL = "model_name"
+
+# vLLM's boundaries (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0]
+TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+# igserve's own.
+ROUTER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+RATIO_BUCKETS = [round(0.05 * i, 2) for i in range(21)]  # 0, 0.05, ..., 1
+
+
+def _histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+    return Histogram(name, doc, [LABEL], buckets=buckets, registry=REGISTRY)
+
+
+E2E_LATENCY = _histogram("igserve_e2e_request_latency_seconds",
+                         "End-to-end request latency in seconds (arrival to last token).", REQUEST_LATENCY_BUCKETS)
+TTFT = _histogram("igserve_time_to_first_token_seconds",
+                  "Time to first token in seconds (arrival, routing included, to first token).", TTFT_BUCKETS)
+INTER_TOKEN_LATENCY = _histogram("igserve_inter_token_latency_seconds",
+                                 "Time between consecutive output tokens of a request in seconds.",
+                                 TOKEN_LATENCY_BUCKETS)
+TIME_PER_OUTPUT_TOKEN = _histogram("igserve_request_time_per_output_token_seconds",
+                                   "Mean time per output token after the first, per request, in seconds.",
+                                   TOKEN_LATENCY_BUCKETS)
+QUEUE_TIME = _histogram("igserve_request_queue_time_seconds",
+                        "Time a request waited for a batch slot in seconds.", REQUEST_LATENCY_BUCKETS)
+ROUTER_LATENCY = _histogram("igserve_router_latency_seconds",
+                            "Time spent choosing a mask (encoder + nearest centroid) in seconds.", ROUTER_BUCKETS)
+SKIP_RATIO = _histogram("igserve_skip_ratio", "Fraction of blocks the request's mask skips.", RATIO_BUCKETS)
+COMPUTE_SAVED = _histogram("igserve_compute_saved_ratio",
+                           "Fraction of parameters per token the request's mask does not touch.", RATIO_BUCKETS)
+
+REQUEST_SUCCESS = Counter("igserve_request_success", "Finished requests by finish reason (stop|length|abort).",
+                          [LABEL, "finished_reason"], registry=REGISTRY)
+REQUESTS_BY_MASK = Counter("igserve_requests_by_mask", "Admitted requests by the mask they run with.",
+                           [LABEL, "mask"], registry=REGISTRY)
+REQUEST_ERRORS = Counter("igserve_request_errors", "Error responses by OpenAI error type.",
+                         [LABEL, "error_type"], registry=REGISTRY)
+PROMPT_TOKENS = Counter("igserve_prompt_tokens", "Prefilled prompt tokens.", [LABEL], registry=REGISTRY)
+GENERATION_TOKENS = Counter("igserve_generation_tokens", "Generated tokens.", [LABEL], registry=REGISTRY)
+BLOCKS_EXECUTED = Counter("igserve_blocks_executed", "Block executions (one block on one token) by kind.",
+                          [LABEL, "kind"], registry=REGISTRY)
+
+NUM_RUNNING = Gauge("igserve_num_requests_running", "Requests in a batch slot.", [LABEL], registry=REGISTRY)
+NUM_WAITING = Gauge("igserve_num_requests_waiting", "Requests waiting for a batch slot.", [LABEL], registry=REGISTRY)
+
+
+class ServingMetrics:
+    """The metrics of one served model. ``admitted`` and ``error`` run on the event loop, the
+    rest on the engine thread (prometheus_client is thread-safe)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.e2e = E2E_LATENCY.labels(model_name)
+        self.ttft = TTFT.labels(model_name)
+        self.itl = INTER_TOKEN_LATENCY.labels(model_name)
+        self.tpot = TIME_PER_OUTPUT_TOKEN.labels(model_name)
+        self.queue = QUEUE_TIME.labels(model_name)
+        self.router = ROUTER_LATENCY.labels(model_name)
+        self.skip = SKIP_RATIO.labels(model_name)
+        self.saved = COMPUTE_SAVED.labels(model_name)
+        self.prompt_tokens = PROMPT_TOKENS.labels(model_name)
+        self.generation_tokens = GENERATION_TOKENS.labels(model_name)
+        self.blocks = [BLOCKS_EXECUTED.labels(model_name, kind) for kind in ("attn", "ffn")]
+        self.running = NUM_RUNNING.labels(model_name)
+        self.waiting = NUM_WAITING.labels(model_name)
+        self._queued: dict[str, float] = {}  # request id -> time it entered the engine's queue
+        self._last_token: dict[str, float] = {}
+
+    def queue_sizes(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+
+    def error(self, error_type: str) -> None:
+        REQUEST_ERRORS.labels(self.model_name, error_type).inc()
+
+    def admitted(self, req: Request, skip_ratio: float, compute_saved: float, router_s: float | None) -> None:
+        REQUESTS_BY_MASK.labels(self.model_name, req.mask_id).inc()
+        self.skip.observe(skip_ratio)
+        self.saved.observe(compute_saved)
+        if router_s is not None:
+            self.router.observe(router_s)
+
+    def queued(self, req: Request, now: float) -> None:
+        """The request entered the engine's waiting queue."""
+        self._queued[req.request_id] = now
+
+    def step(self, outputs: list[StepOutput], blocks: torch.Tensor, now: float) -> None:
+        """One engine step: its outputs and the block executions it added [attn, ffn]."""
+        for counter, n in zip(self.blocks, blocks.tolist()):
+            if n:
+                counter.inc(n)
+        for out in outputs:
+            req = out.request
+            self.generation_tokens.inc(len(out.new_token_ids))
+            last = self._last_token.get(req.request_id)
+            if last is None:  # this step prefilled the request
+                self.prompt_tokens.inc(len(req.prompt_ids))
+                self.ttft.observe(req.first_token_time - req.arrival)
+                self.queue.observe(req.scheduled_time - self._queued.pop(req.request_id))
+            else:
+                self.itl.observe(now - last)
+            self._last_token[req.request_id] = now
+            if out.finished:
+                self.finished(req, now)
+
+    def finished(self, req: Request, now: float) -> None:
+        """A request left the engine: done, or aborted (``finish_reason == "abort"``)."""
+        self._queued.pop(req.request_id, None)
+        self._last_token.pop(req.request_id, None)
+        REQUEST_SUCCESS.labels(self.model_name, req.finish_reason).inc()
+        self.e2e.observe(now - req.arrival)
+        if len(req.output_ids) > 1:
+            self.tpot.observe((now - req.first_token_time) / (len(req.output_ids) - 1))

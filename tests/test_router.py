@@ -1,0 +1,101 @@
+"""The routing encoder and the nearest-centroid router against brute-force references."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+from conftest import TINY_BANK_TEXTS
+
+from masks.bank import BankError, MaskBank
+from router.encoder import ENCODER_DIM, check_name, embed, load_encoder
+from router.router import BatchingRouter, Router, chat_routing_text
+
+NEW_TEXTS = {
+    "code": "Write a JavaScript function that parses a JSON string and returns the keys of the object.",
+    "math": "What is the sum of the first 100 positive integers? Show the arithmetic series formula.",
+    "chat": "Good morning! I hope you had a nice evening with your family yesterday.",
+}
+
+
+def test_embed_matches_sentence_transformers_and_is_normalised():
+    texts = list(NEW_TEXTS.values()) + [""]
+    got = embed(texts, batch_size=2)
+    assert got.shape == (len(texts), ENCODER_DIM) and got.dtype == torch.float32
+    torch.testing.assert_close(got.norm(dim=1), torch.ones(len(texts)))
+    raw = torch.as_tensor(load_encoder().encode(texts, convert_to_numpy=True))
+    torch.testing.assert_close(got, raw / raw.norm(dim=1, keepdim=True), atol=1e-5, rtol=0)
+    alone = torch.cat([embed([t]) for t in texts])  # batching (and padding) does not change an embedding
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+    assert embed([]).shape == (0, ENCODER_DIM)
+
+
+def test_encoder_name_check():
+    check_name("all-MiniLM-L6-v2")
+    check_name("sentence-transformers/all-MiniLM-L6-v2")
+    with pytest.raises(Exception, match="not available"):
+        check_name("bge-small-en")
+
+
+def test_router_picks_the_nearest_centroid(tiny_bank):
+    router = Router(tiny_bank)
+    texts = list(TINY_BANK_TEXTS.values()) + list(NEW_TEXTS.values())
+    routes = router.route(texts)
+    sims = embed(texts) @ torch.tensor(tiny_bank.centroids).T  # brute force
+    for route, row in zip(routes, sims):
+        assert route.mask_id == tiny_bank.mask_ids[int(row.argmax())]
+        assert route.distance == pytest.approx(1 - float(row.max()), abs=1e-5)
+        assert route.router_ms > 0
+    # a centroid's own text routes to it at distance ~0, and new texts land in their domain
+    assert [r.mask_id for r in routes[:3]] == list(TINY_BANK_TEXTS)
+    assert all(r.distance < 1e-5 for r in routes[:3])
+    assert [r.mask_id for r in routes[3:]] == list(NEW_TEXTS)
+
+
+def test_router_refuses_a_bank_for_another_encoder(tiny_bank):
+    data = dict(vars(tiny_bank), encoder={"name": "bge-small-en", "dim": ENCODER_DIM})
+    with pytest.raises(BankError, match="bge-small-en"):
+        Router(MaskBank(**data))
+
+
+def test_batching_router_coalesces_concurrent_calls(tiny_bank):
+    router = Router(tiny_bank)
+    calls = []
+    original = router.route
+    router.route = lambda texts: calls.append(len(texts)) or original(texts)
+    texts = list(NEW_TEXTS.values()) * 4
+
+    held = []
+
+    @contextlib.contextmanager
+    def hold():
+        held.append(len(calls))
+        yield
+        assert len(calls) == held[-1] + 1  # exactly one encoder batch inside each hold
+
+    async def main():
+        batching = BatchingRouter(router, hold=hold)
+        try:
+            return await asyncio.gather(*(batching.route(t) for t in texts))
+        finally:
+            batching.close()
+
+    routes = asyncio.run(main())
+    assert sum(calls) == len(texts) and len(calls) < len(texts)  # fewer encoder calls than requests
+    assert [r.mask_id for r in routes] == [r.mask_id for r in original(texts)]
+    assert all(r.router_ms > 0 for r in routes)
+    assert len(held) == len(calls)
+
+
+def test_chat_routing_text_is_last_user_turn_then_system():
+    messages = [
+        {"role": "system", "content": "You are a SQL assistant."},
+        {"role": "user", "content": "Tell me a joke."},
+        {"role": "assistant", "content": "Why did the chicken cross the road?"},
+        {"role": "user", "content": "Write a query that counts users."},
+    ]
+    assert chat_routing_text(messages) == "Write a query that counts users.\n\nYou are a SQL assistant."
+    assert chat_routing_text(messages[1:3]) == "Tell me a joke."
+    assert chat_routing_text([{"role": "system", "content": "Be brief."}]) == "Be brief."
