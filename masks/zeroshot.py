@@ -1,0 +1,394 @@
+"""`igserve eval zeroshot`: zero-shot multiple-choice accuracy of dense, static and input-guided masks.
+
+The seven tasks of the depth-pruning papers come from the packaged oe-eval `rc_0shot` requests
+(masks.mc_tasks). Every choice is scored by the summed log-likelihood of its continuation given its
+context through the block-masked runner, once per distinct mask (dense, the bank's static
+baselines and its N cluster masks, deduplicated by mask bits): the context is prefilled once per
+mask into a KV slot, copied to the slots of the other choices, and each continuation is appended
+to its slot. The per-mask scores then give each method:
+
+* dense, static_l0, shortgpt, greedy: one mask for every example;
+* ig: the mask of the nearest centroid to the context (the choices' shared context for partial
+  scoring), as the server routes a prompt;
+* random: a seeded, uniformly random cluster mask per example (a control for routing);
+* oracle: the cluster mask that ranks the gold choice highest above the best wrong one, per
+  metric (a bound: it peeks at the labels; correct whenever any cluster mask is).
+
+acc picks the choice with the highest summed log-likelihood; acc_norm divides it by the number of
+characters of the continuation (oe-eval's acc_per_char, lm-eval's acc_norm). Intervals are
+normal-approximation 95% half-widths, per task and for the unweighted mean over tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from os.path import commonprefix
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from masks.bank import DENSE, MaskBank
+from masks.corpus import ZEROSHOT_TASKS
+from masks.evaluate import METHODS, STATIC
+from masks.mc_tasks import MCExample, encode_pair, load_task, select
+
+BATCH_TOKENS = 2048  # rows x padded length per runner call (bounds the [rows, T, vocab] logits)
+KV_POSITIONS = 32768  # cache slots x context length per task (about 1.5 GB for SmolLM2-135M)
+METRICS = ("acc", "acc_norm")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from server.models import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name or HF directory")
+    parser.add_argument("--bank", type=Path, required=True, help="mask bank JSON")
+    parser.add_argument("--tasks", default=",".join(ZEROSHOT_TASKS), help="comma-separated oe-eval task names")
+    parser.add_argument("--limit", type=int, help="seeded random sample of at most N documents per task")
+    parser.add_argument("--json", type=Path, required=True, help="report to write")
+    parser.add_argument("--plot", type=Path, help="PNG of the report")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --limit sample and of random routing")
+    parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="rows x tokens per runner call")
+    parser.add_argument("--cache", type=Path, help="folder of per-(document, mask) scores to reuse and extend")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def _batches(items: list, length, budget: int) -> list[list]:
+    """Split items (sorted by length) into runs whose count x longest length stays within budget."""
+    out, current, longest = [], [], 0
+    for item in items:
+        n = length(item)
+        if current and (len(current) + 1) * max(longest, n) > budget:
+            out.append(current)
+            current, longest = [], 0
+        current.append(item)
+        longest = max(longest, n)
+    return out + [current] if current else out
+
+
+@torch.inference_mode()
+def loglikelihoods(model, tokenizer, examples: list[MCExample], masks: torch.Tensor,
+                   batch_tokens: int = BATCH_TOKENS, desc: str = "score") -> tuple[np.ndarray, int]:
+    """Summed log-likelihood of every choice's continuation under every mask: [E, U, K] (-inf where
+    an example has fewer than K choices), and the number of token positions the runner computed.
+
+    Each runner call holds one mask, so every block runs on all rows or on none. Per example and
+    mask, the longest token prefix that all choices share (ending before the first scored position)
+    is prefilled once and copied to the other choices' slots, then each continuation is appended."""
+    from server.runner import BlockRunner
+
+    seqs, starts, prefix = [], [], []
+    for e in examples:
+        pairs = [encode_pair(tokenizer, c, x) for c, x in zip(e.contexts, e.continuations)]
+        seqs.append([c + x for c, x in pairs])
+        starts.append([len(c) for c, _ in pairs])
+        prefix.append(min(len(commonprefix(seqs[-1])), min(starts[-1]) - 1))
+    max_len = max(len(s) for ss in seqs for s in ss)
+    k_max = max(len(ss) for ss in seqs)
+    runner = BlockRunner(model, max_slots=max(k_max, KV_POSITIONS // max_len), max_len=max_len)
+    out = np.full((len(examples), len(masks), k_max), -np.inf)
+    computed = 0
+
+    groups, group = [], []  # examples whose choices fill the cache slots, longest shared prefix first
+    for i in sorted(range(len(examples)), key=lambda i: -prefix[i]):
+        if group and sum(len(seqs[j]) for j in group) + len(seqs[i]) > runner.cache.slots:
+            groups.append(group)
+            group = []
+        group.append(i)
+    groups += [group] if group else []
+
+    with tqdm(total=len(examples), desc=desc, unit="ex", leave=False) as bar:
+        for group in groups:
+            rows = sorted(((i, k) for i in group for k in range(len(seqs[i]))),
+                          key=lambda r: len(seqs[r[0]][r[1]]) - prefix[r[0]])
+            slot = {r: n for n, r in enumerate(rows)}  # extend batches read contiguous slots
+            heads = [i for i in group if prefix[i] > 0]
+            for u, mask in enumerate(masks):
+                for batch in _batches(heads, lambda i: prefix[i], batch_tokens):
+                    runner.prefill([seqs[i][0][: prefix[i]] for i in batch], mask.expand(len(batch), -1),
+                                   [slot[(i, 0)] for i in batch])
+                    computed += sum(prefix[i] for i in batch)
+                for i in heads:
+                    runner.copy_slot(slot[(i, 0)], [slot[(i, k)] for k in range(1, len(seqs[i]))], prefix[i])
+                for batch in _batches(rows, lambda r: len(seqs[r[0]][r[1]]) - prefix[r[0]], batch_tokens):
+                    chunks = [seqs[i][k][prefix[i]:] for i, k in batch]
+                    logits = runner.extend(chunks, [prefix[i] for i, _ in batch], mask.expand(len(batch), -1),
+                                           [slot[r] for r in batch], all_positions=True)
+                    computed += sum(map(len, chunks))
+                    # The token at chunk position t is predicted by the logits at t - 1; score the continuation.
+                    targets = torch.full(logits.shape[:2], -1, dtype=torch.long)
+                    for n, (i, k) in enumerate(batch):
+                        first = starts[i][k] - prefix[i]
+                        targets[n, first - 1 : len(chunks[n]) - 1] = torch.tensor(chunks[n][first:])
+                    scored = targets >= 0
+                    logp = logits.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1) - logits.logsumexp(-1)
+                    for (i, k), total in zip(batch, (logp * scored).sum(1).tolist()):
+                        out[i, u, k] = total
+            bar.update(len(group))
+    return out, computed
+
+
+def _mask_key(mask: torch.Tensor) -> str:
+    return "".join("1" if keep else "0" for keep in mask.tolist())
+
+
+def cached_loglikelihoods(lm, examples: list[MCExample], masks: torch.Tensor, cache: Path | None,
+                          batch_tokens: int = BATCH_TOKENS, desc: str = "score") -> tuple[np.ndarray, int]:
+    """``loglikelihoods`` of one task's examples, reading and appending per-(doc_id, mask) results in
+    ``cache/<model fingerprint>/<task>.jsonl``, so other banks (dense, shared masks) and reruns with a
+    larger --limit score only what is new. Returns the [E, U, K] scores and positions computed."""
+    path = cache / lm.fingerprint.replace(":", "-") / f"{examples[0].task}.jsonl" if cache else None
+    known = {}
+    if path and path.is_file():
+        with path.open() as f:
+            known = {(row["doc_id"], row["mask"]): row["ll"] for row in map(json.loads, f)}
+    keys = [_mask_key(m) for m in masks]
+    out = np.full((len(examples), len(masks), max(len(e.contexts) for e in examples)), -np.inf)
+    missing: dict[tuple[int, ...], list[int]] = {}  # mask rows to score -> examples that lack them
+    for i, e in enumerate(examples):
+        for u, key in enumerate(keys):
+            if (e.doc_id, key) in known:
+                out[i, u, : len(e.contexts)] = known[(e.doc_id, key)]
+        rows = tuple(u for u, key in enumerate(keys) if (e.doc_id, key) not in known)
+        if rows:
+            missing.setdefault(rows, []).append(i)
+    computed = 0
+    for rows, idx in missing.items():
+        scores, n = loglikelihoods(lm.model, lm.tokenizer, [examples[i] for i in idx], masks[list(rows)],
+                                   batch_tokens, desc)
+        out[np.ix_(idx, rows, range(scores.shape[2]))] = scores
+        computed += n
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                for i in idx:
+                    for u in rows:
+                        ll = out[i, u, : len(examples[i].contexts)].tolist()
+                        f.write(json.dumps({"doc_id": examples[i].doc_id, "mask": keys[u], "ll": ll}) + "\n")
+    return out, computed
+
+
+# ----------------------------------------------------------------------------- methods and metrics
+
+
+def unique_masks(bank: MaskBank, static: list[str]) -> tuple[torch.Tensor, dict[str, int]]:
+    """Distinct masks [U, B] of dense, the static baselines and the cluster masks; name -> row."""
+    rows: dict[tuple, int] = {}
+    index = {}
+    for name in (DENSE, *static, *bank.mask_ids):
+        bits = tuple(bank.mask(name).tolist())
+        index[name] = rows.setdefault(bits, len(rows))
+    return torch.tensor(list(rows), dtype=torch.bool), index
+
+
+def predictions(ll: np.ndarray, examples: list[MCExample]) -> dict[str, np.ndarray]:
+    """Per metric, [E, U] margin of the gold choice over the best wrong choice (> 0: correct)."""
+    chars = np.ones(ll.shape[::2])
+    gold = np.array([e.gold for e in examples])
+    for n, e in enumerate(examples):
+        chars[n, : len(e.continuations)] = [len(c) for c in e.continuations]
+    out = {}
+    for metric, score in (("acc", ll), ("acc_norm", ll / chars[:, None, :])):
+        gold_score = np.take_along_axis(score, gold[:, None, None], 2)[..., 0]
+        wrong = score.copy()
+        np.put_along_axis(wrong, gold[:, None, None], -np.inf, 2)
+        out[metric] = gold_score - wrong.max(2)
+    return out
+
+
+def choices(methods: list[str], bank: MaskBank, index: dict[str, int], margins: dict[str, np.ndarray],
+            routes: list[str], generator: torch.Generator) -> dict[str, dict[str, list[str]]]:
+    """Per method and metric, the mask id used for each example."""
+    n = len(routes)
+    clusters = bank.mask_ids
+    rows = [index[m] for m in clusters]
+    rand = [clusters[i] for i in torch.randint(len(clusters), (n,), generator=generator).tolist()]
+    picks = {"ig": routes, "random": rand, **{m: [m] * n for m in methods if m in index}}
+    out = {m: {metric: picks[m] for metric in METRICS} for m in methods if m != "oracle"}
+    out["oracle"] = {metric: [clusters[i] for i in margins[metric][:, rows].argmax(1)] for metric in METRICS}
+    return out
+
+
+def ci95(p: float, n: int) -> float:
+    return 1.96 * math.sqrt(p * (1 - p) / n) if n else float("nan")
+
+
+def _mean_ci(ps: list[float], ns: list[int]) -> float:
+    return 1.96 * math.sqrt(sum(p * (1 - p) / n for p, n in zip(ps, ns))) / len(ps)
+
+
+def _paired(diffs: list[np.ndarray]) -> dict:
+    """Mean over tasks of per-task mean differences, with its 95% half-width."""
+    means = [float(d.mean()) for d in diffs]
+    var = sum(float(d.var(ddof=1)) / len(d) if len(d) > 1 else 0.0 for d in diffs)
+    return {"diff": sum(means) / len(means), "ci95": 1.96 * math.sqrt(var) / len(diffs)}
+
+
+def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], router, seed: int = 0,
+             batch_tokens: int = BATCH_TOKENS, cache: Path | None = None) -> dict:
+    """Score every task under every distinct mask once, then aggregate each method (JSON-ready)."""
+    from server.runner import BlockRunner
+
+    static = [m for m in STATIC if m in bank.baselines]
+    methods = [m for m in METHODS if m not in STATIC or m in static]
+    masks, index = unique_masks(bank, static)
+    cost = BlockRunner(lm.model, max_slots=1, max_len=1)
+    dense_params = cost.params_per_token(masks[index[DENSE]])
+    saved = np.array([1.0 - cost.params_per_token(m) / dense_params for m in masks])
+    skip = (~masks).float().mean(1).numpy()
+    generator = torch.Generator().manual_seed(seed)
+    correct = {m: {metric: {} for metric in METRICS} for m in methods}
+    used = {m: {} for m in methods}
+    saved_by_method = {m: {} for m in methods}
+    timing = {}
+    for task, exs in examples.items():
+        start = time.perf_counter()
+        routes = [r.mask_id for r in router.route([e.routing_text for e in exs])]
+        ll, computed = cached_loglikelihoods(lm, exs, masks, cache, batch_tokens, desc=task)
+        margins = predictions(ll, exs)
+        picks = choices(methods, bank, index, margins, routes, generator)
+        for m in methods:
+            for metric in METRICS:
+                rows = np.array([index[i] for i in picks[m][metric]])
+                correct[m][metric][task] = margins[metric][np.arange(len(exs)), rows] > 0
+            ids = picks[m]["acc_norm"]
+            used[m][task] = {i: ids.count(i) for i in sorted(set(ids))}
+            saved_by_method[m][task] = float(np.mean([saved[index[i]] for i in ids]))
+        wall = time.perf_counter() - start
+        timing[task] = {"wall_s": round(wall, 1), "positions_computed": computed,
+                        "positions_per_s": round(computed / wall) if computed else None}
+
+    tasks = list(examples)
+    report_methods = {}
+    for m in methods:
+        per_task = {}
+        for t in tasks:
+            c = correct[m]
+            n = len(c["acc"][t])
+            acc, norm = float(c["acc"][t].mean()), float(c["acc_norm"][t].mean())
+            per_task[t] = {"acc": acc, "acc_norm": norm, "n": n, "ci95": ci95(norm, n), "ci95_acc": ci95(acc, n),
+                           "compute_saved": saved_by_method[m][t]}
+        means = {metric: sum(per_task[t][metric] for t in tasks) / len(tasks) for metric in METRICS}
+        ns = [per_task[t]["n"] for t in tasks]
+        report_methods[m] = {
+            "mean_acc": means["acc"], "mean_acc_norm": means["acc_norm"],
+            "mean_ci95": _mean_ci([per_task[t]["acc_norm"] for t in tasks], ns),
+            "mean_ci95_acc": _mean_ci([per_task[t]["acc"] for t in tasks], ns),
+            "tasks": per_task, "masks_used": used[m],
+        }
+    paired = {m: {metric: _paired([correct["ig"][metric][t].astype(float) - correct[m][metric][t] for t in tasks])
+                  for metric in METRICS}
+              for m in methods if m != "ig"}
+    best_static = max(static, key=lambda m: report_methods[m]["mean_acc_norm"]) if static else None
+    return {
+        "sparsity": bank.sparsity,
+        "metrics": {"acc": "argmax of the summed log-likelihood of the continuation",
+                    "acc_norm": "argmax of log-likelihood / characters of the continuation (oe-eval acc_per_char)",
+                    "ci95": "normal-approximation 95% half-width of acc_norm (ci95_acc: of acc)"},
+        "methods": report_methods,
+        "ig_minus": paired,
+        "masks": {name: {"skip_ratio": float(skip[row]), "compute_saved": float(saved[row])}
+                  for name, row in index.items()},
+        "distinct_masks": len(masks),
+        "summary": {"best_static": best_static,
+                    "ig_at_or_above_every_static": all(report_methods["ig"]["mean_acc_norm"]
+                                                       >= report_methods[m]["mean_acc_norm"] for m in static),
+                    "ig_at_or_above_every_static_acc": all(report_methods["ig"]["mean_acc"]
+                                                           >= report_methods[m]["mean_acc"] for m in static)},
+        "timing": timing,
+    }
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def markdown_table(report: dict, metric: str = "acc_norm") -> str:
+    """Papers' layout: one row per method, one column per task and the average (percent ± 95% CI)."""
+    ci = "ci95" if metric == "acc_norm" else "ci95_acc"
+    tasks = list(report["methods"][DENSE]["tasks"])
+    lines = ["| method | " + " | ".join(tasks) + " | average |", "|---" * (len(tasks) + 2) + "|"]
+    for name, m in report["methods"].items():
+        cells = [f"{100 * m['tasks'][t][metric]:.1f} ± {100 * m['tasks'][t][ci]:.1f}" for t in tasks]
+        mean_ci = m["mean_ci95"] if metric == "acc_norm" else m["mean_ci95_acc"]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {100 * m['mean_' + metric]:.1f} ± {100 * mean_ci:.1f} |")
+    lines.append("| n | " + " | ".join(str(report["methods"][DENSE]["tasks"][t]["n"]) for t in tasks) + " | |")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(report["methods"])
+    tasks = list(report["methods"][DENSE]["tasks"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(16, 5), gridspec_kw={"width_ratios": [2.5, 1]})
+    width = 0.8 / len(methods)
+    for k, m in enumerate(methods):
+        r = report["methods"][m]
+        values = [r["tasks"][t]["acc_norm"] for t in tasks] + [r["mean_acc_norm"]]
+        errors = [r["tasks"][t]["ci95"] for t in tasks] + [r["mean_ci95"]]
+        left.bar([i + k * width for i in range(len(tasks) + 1)], values, width, yerr=errors, capsize=1.5, label=m,
+                 color="C7" if m == DENSE else f"C{k}")
+    left.set_xticks([i + 0.4 - width / 2 for i in range(len(tasks) + 1)], tasks + ["average"], rotation=20)
+    left.set_ylabel("acc_norm (per-character), 95% CI")
+    left.set_title(f"zero-shot accuracy, block sparsity {report['sparsity']}")
+    left.legend(ncol=4, fontsize=8)
+    used = report["methods"]["ig"]["masks_used"]
+    ids = sorted({i for t in tasks for i in used[t]})
+    bottom = np.zeros(len(tasks))
+    for i in ids:
+        share = np.array([used[t].get(i, 0) / max(sum(used[t].values()), 1) for t in tasks])
+        right.bar(tasks, share, bottom=bottom, label=i)
+        bottom += share
+    right.set_title("IG routing: mask chosen per task")
+    right.set_ylabel("share of examples")
+    right.tick_params(axis="x", rotation=30)
+    right.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from router.router import Router
+    from server import models
+
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    lm = models.load(args.model)
+    bank = MaskBank.load(args.bank)
+    bank.check_model(lm.fingerprint, 2 * lm.model.config.num_hidden_layers)
+    exclude = set(bank.calibration_docs)
+    examples, data = {}, {}
+    for task in args.tasks.split(","):
+        docs = load_task(task)
+        examples[task] = select(docs, exclude, args.limit, args.seed)
+        data[task] = {"documents": len(docs), "excluded_calibration_docs": sum(e.doc_key in exclude for e in docs),
+                      "evaluated": len(examples[task]), "doc_ids": [e.doc_id for e in examples[task]]}
+    report = {"bank": args.bank.stem, "bank_file": str(args.bank),
+              "bank_sha256": hashlib.sha256(args.bank.read_bytes()).hexdigest(), "model": lm.name,
+              "fingerprint": lm.fingerprint,
+              "limit": args.limit, "seed": args.seed, "data": data}
+    report.update(evaluate(lm, bank, examples, Router(bank), args.seed, args.batch_tokens, args.cache))
+    report["wall_s"] = round(time.perf_counter() - start, 1)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        plot_report(report, args.plot)
+    print(markdown_table(report))
+    s = report["summary"]
+    print(f"best static: {s['best_static']}; IG mean acc_norm at or above every static baseline: "
+          f"{s['ig_at_or_above_every_static']}")
+    print(f"wrote {args.json}{' and ' + str(args.plot) if args.plot else ''} in {report['wall_s']:.0f} s")
+    return 0
