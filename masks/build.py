@@ -7,9 +7,12 @@ the mask bank JSON.
 
 The cluster-mask learner is ``--learner greedy`` (default: lazy greedy removal by KL to dense on
 the cluster's calibration documents; the global greedy baseline runs the exact search) or ``l0``
-(Hard Concrete gates, ``masks.train``); on this CPU budget greedy gave far better masks, see the
-README. Every expensive intermediate is cached under ``--work-dir`` by a hash of its inputs, so an
-interrupted build resumes; builds at several sparsities can run at the same time on one work dir:
+(Hard Concrete gates, ``masks.train``): at CPU-feasible step counts the L0 masks were far worse
+than greedy ones (held-out perplexity at sparsity 0.25: bench/results/eval_s0.25_l0.json vs
+eval_s0.25.json).
+
+Every expensive intermediate is cached under ``--work-dir`` by a hash of its inputs, so an
+interrupted build resumes. Builds at several sparsities can run at the same time on one work dir:
 they share the embeddings and teacher targets, and greedy removal orders are nested, so each is
 computed once (a lock file per order) and a smaller budget reads a prefix.
 """
@@ -59,10 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="documents for ShortGPT influence and each greedy removal (global: sampled across "
                              "clusters; per cluster: from that cluster)")
     parser.add_argument("--examples", type=int, default=3, help="example texts stored per cluster")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (1 is faster on a busy machine)")
     for f in dataclasses.fields(TrainConfig):
         parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
-                            help=f"L0 training: {f.name} (default {f.default})")
+                            help=f"mask learning (teacher targets, L0, greedy): {f.name} (default {f.default})")
 
 
 def load_documents(data: Path) -> list[dict]:

@@ -82,6 +82,9 @@ def test_methods_bookkeeping(tiny, runner):
     assert s["best_static"] == min(("static_l0", "shortgpt", "greedy"), key=lambda m: methods[m]["overall_ppl"])
     assert s["ig_vs_best_static_ppl_pct"] == pytest.approx(
         100 * (methods["ig"]["overall_ppl"] / methods[s["best_static"]]["overall_ppl"] - 1))
+    lo, hi = s["ig_vs_best_static_ppl_pct_ci95"]
+    assert lo <= s["ig_vs_best_static_ppl_pct"] + 1e-9 and s["ig_vs_best_static_ppl_pct"] <= hi + 1e-9
+    assert [d["route"] for d in report["documents"]] == routes["code"] + routes["cooking"]
 
 
 def _code_nll(runner, tiny, mask) -> float:
