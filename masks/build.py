@@ -13,8 +13,9 @@ eval_s0.25.json).
 
 Every expensive intermediate is cached under ``--work-dir`` by a hash of its inputs, so an
 interrupted build resumes. Builds at several sparsities can run at the same time on one work dir:
-they share the embeddings and teacher targets, and greedy removal orders are nested, so each is
-computed once (a lock file per order) and a smaller budget reads a prefix.
+the embeddings, each cluster's teacher targets and each greedy removal order are computed once
+(by whichever build takes its lock file first), and as removal orders are nested a smaller budget
+reads a prefix of a larger one's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import hashlib
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -174,7 +176,9 @@ def build_bank(lm, docs: list[dict], clusters: int, sparsity: float, cfg: TrainC
         clock = now
 
     texts = [d["text"] for d in docs]
-    emb = _embeddings(texts, work, _key(ENCODER_NAME, [d["id"] for d in docs], texts))
+    emb_key = _key(ENCODER_NAME, [d["id"] for d in docs], texts)
+    emb = run_once({"embed": (work / f"embed-{emb_key}.lock", lambda: _embeddings(texts, work, emb_key))},
+                   "embeddings")["embed"]
     lap("embedding")
     centroids, labels = kmeans(emb, clusters, seed)
     stats = summarise(labels, texts, clusters, examples)
@@ -182,15 +186,18 @@ def build_bank(lm, docs: list[dict], clusters: int, sparsity: float, cfg: TrainC
 
     gen = torch.Generator().manual_seed(seed)
     data_key = _key(lm.fingerprint, cfg.seq_len, cfg.kl_positions, cfg.top_k, seed)
-    per_cluster: list[tuple[Targets, str, list[str]]] = []
+    chosen, jobs = {}, {}
     for c in range(clusters):
         members = (labels == c).nonzero().squeeze(1)
-        chosen = members[torch.randperm(len(members), generator=gen)[:docs_per_cluster]].sort().values.tolist()
-        ids = [docs[i]["id"] for i in chosen]
-        key = _key(data_key, c, ids)
-        targets = _targets(runner, lm.tokenizer, [texts[i] for i in chosen], cfg, seed + c,
-                           work / f"teacher-{key}.pt", f"teacher c{c}")
-        per_cluster.append((targets, key, ids))
+        pick = members[torch.randperm(len(members), generator=gen)[:docs_per_cluster]].sort().values.tolist()
+        key = _key(data_key, c, [docs[i]["id"] for i in pick])
+        chosen[c] = (key, pick)
+        jobs[c] = (work / f"teacher-{key}.lock",
+                   partial(_targets, runner, lm.tokenizer, [texts[i] for i in pick], cfg, seed + c,
+                           work / f"teacher-{key}.pt", f"teacher c{c}"))
+    teachers = run_once(jobs, "teacher targets")
+    per_cluster: list[tuple[Targets, str, list[str]]] = [
+        (teachers[c], key, [docs[i]["id"] for i in pick]) for c, (key, pick) in chosen.items()]
     lap("teacher")
 
     # The whole corpus for the static baselines: every cluster's documents, weighted by cluster size.
@@ -212,10 +219,8 @@ def build_bank(lm, docs: list[dict], clusters: int, sparsity: float, cfg: TrainC
             idx = torch.randperm(len(targets), generator=torch.Generator().manual_seed(seed + c))[:calib_docs].sort().values
             greedy_sets[f"c{c}"] = (targets.take(idx), _key(key, idx.tolist(), cfg.dtype, "lazy"), True)
 
-    def greedy_job(data: Targets, path: Path, lazy: bool):
-        return lambda: greedy_removal(student, data, n_remove, len(data), path, lazy)
-
-    jobs = {name: (work / f"greedy-{key}.lock", greedy_job(data, work / f"greedy-{key}.json", lazy))
+    jobs = {name: (work / f"greedy-{key}.lock",
+                   partial(greedy_removal, student, data, n_remove, len(data), work / f"greedy-{key}.json", lazy))
             for name, (data, key, lazy) in greedy_sets.items()}
     removals = run_once(jobs, "greedy removal orders")
     lap("greedy")
