@@ -1,17 +1,14 @@
 """Input-guided routing: embed a request's routing text, pick the mask of the nearest centroid (cosine).
 
-``Router`` is synchronous and batched; ``BatchingRouter`` is its asyncio front: calls that arrive
-while an encoder batch is running are coalesced into the next batch, which runs off the event loop.
+``Router`` is synchronous and batched. The server's engine calls it from its own thread, once per
+step for all the requests it is about to admit, so concurrent arrivals share one encoder batch
+and the encoder never competes with a step for the CPU.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +50,7 @@ class Router:
         self.encoder = encoder or load_encoder()
         self.centroids = F.normalize(bank.centroid_tensor(), dim=1)
         self.mask_ids = list(bank.mask_ids)
+        self.masks = {mask_id: bank.mask(mask_id) for mask_id in self.mask_ids}
 
     def route(self, texts: list[str], batch_size: int = 32) -> list[Route]:
         start = time.perf_counter()
@@ -61,53 +59,3 @@ class Router:
         best, idx = sims.max(1)
         ms = (time.perf_counter() - start) * 1000
         return [Route(self.mask_ids[i], 1.0 - s, ms) for s, i in zip(best.tolist(), idx.tolist())]
-
-
-class BatchingRouter:
-    """Async routing with batched encoding; ``router_ms`` is each caller's wall time in the router.
-    Each encoder batch runs inside ``hold()`` (the server passes one that pauses engine steps)."""
-
-    def __init__(self, router: Router, max_batch: int = 64,
-                 hold: Callable[[], AbstractContextManager] = nullcontext):
-        self.router = router
-        self.max_batch = max_batch
-        self.hold = hold
-        self._pending: list[tuple[str, asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="igserve-router")
-
-    async def route(self, text: str) -> Route:
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
-        future = loop.create_future()
-        self._pending.append((text, future))
-        if self._worker is None or self._worker.done():
-            self._worker = loop.create_task(self._drain())
-        route = await future
-        return replace(route, router_ms=(time.perf_counter() - start) * 1000)
-
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._pending:
-            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
-            try:
-                routes = await loop.run_in_executor(self._pool, self._route, [t for t, _ in batch])
-            except Exception as exc:  # the encoder failed: every caller in the batch gets the error
-                routes = [exc] * len(batch)
-            for (_, future), route in zip(batch, routes):
-                if future.done():  # the caller went away
-                    continue
-                if isinstance(route, Exception):
-                    future.set_exception(route)
-                else:
-                    future.set_result(route)
-
-    def _route(self, texts: list[str]) -> list[Route]:
-        with self.hold():
-            return self.router.route(texts)
-
-    def close(self) -> None:
-        for _, future in self._pending:
-            future.cancel()
-        self._pending.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -2,24 +2,28 @@
 
 The port opens at once; the model, the mask bank and the routing encoder load in the background
 and ``/health`` answers 503 until they are in. Without a bank file the server runs dense (mask
-"dense" for every request, no router). Per request: validate, authorise, tokenise, choose the
-mask (``igserve.mask`` forced, or routed on the input), queue, and answer or stream SSE chunks.
+"dense" for every request, no router). Per request: validate, authorise, tokenise, take a forced
+mask (``igserve.mask``) or hand the routing text to the engine, which routes at admission; queue,
+and answer or stream SSE chunks.
 """
 
 from __future__ import annotations
 
 import os
 
-# Two threads run torch ops in a server, the engine loop and the router's encoder. With OpenMP's
-# default spin-waiting, their thread teams starve each other (and anything else) on a small CPU:
-# decode steps measured 7x slower on 2 shared cores. Set before torch loads OpenMP.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# After each parallel region libgomp spins its worker threads (300k spins by default, ~15 ms on
+# this kind of CPU) before they sleep: a core stays busy after every engine step while the event
+# loop needs it to stream. 10k spins still bridge the gaps between ops inside a step (measured:
+# same step times; OMP_WAIT_POLICY=PASSIVE instead made steps 1.5-1.8x slower). Set before torch
+# loads OpenMP.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import argparse
 import asyncio
 import hmac
 import logging
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -33,8 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from masks.bank import DENSE, BankError, MaskBank
-from router.encoder import EncoderError
-from router.router import BatchingRouter, Route, Router, chat_routing_text
+from router.encoder import EncoderError, load_encoder
+from router.router import Router, chat_routing_text
 from server import models, protocol
 from server.async_engine import AsyncEngine, EngineClosed, QueueFull
 from server.engine import LLMEngine
@@ -64,6 +68,7 @@ class ServeConfig:
     max_queue: int = 64
     max_tokens_limit: int = 1024
     max_model_len: int = 2048
+    dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -82,9 +87,10 @@ class Served:
     context: int
     vocab_size: int
     masks: dict[str, MaskChoice]  # every id a client may force, "dense" included
-    router: BatchingRouter | None  # None: dense mode
+    routing: bool  # False: dense mode (no bank)
     engine: AsyncEngine
     metrics: ServingMetrics
+    dtype: str
 
 
 # ---------------------------------------------------------------------------- loading
@@ -103,10 +109,10 @@ def load_served(cfg: ServeConfig) -> Served:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    lm = models.load(cfg.model, device=cfg.device)
+    dtype = models.resolve_dtype(cfg.dtype, cfg.device)
+    lm = models.load(cfg.model, device=cfg.device, dtype=dtype)
+    log.info("model %s in %s on %s", lm.name, str(dtype).removeprefix("torch."), cfg.device)
     runner = BlockRunner(lm.model, max_slots=cfg.max_batch, max_len=cfg.max_model_len)
-    metrics = ServingMetrics(lm.name)
-    engine = AsyncEngine(LLMEngine(runner, lm.tokenizer, cfg.max_batch), cfg.max_queue, metrics)
     path = _bank_path(cfg.bank)
     bank, router = None, None
     if path is None:
@@ -115,8 +121,7 @@ def load_served(cfg: ServeConfig) -> Served:
     else:
         bank = MaskBank.load(path)
         bank.check_model(lm.fingerprint, runner.num_blocks)
-        router = BatchingRouter(Router(bank), hold=engine.priority)
-        router.router.route(["warm-up"])
+        router = Router(bank, load_encoder(cfg.device))
         log.info("mask bank %s: %d clusters, sparsity %.2f, baselines %s", path, len(bank.mask_ids),
                  bank.sparsity, sorted(bank.baselines))
     dense_params = runner.params_per_token(torch.ones(runner.num_blocks, dtype=torch.bool))
@@ -125,7 +130,28 @@ def load_served(cfg: ServeConfig) -> Served:
         mask = bank.mask(mask_id) if bank else torch.ones(runner.num_blocks, dtype=torch.bool)
         masks[mask_id] = MaskChoice(mask, 1.0 - float(mask.float().mean()),
                                     1.0 - runner.params_per_token(mask) / dense_params)
-    return Served(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, masks, router, engine, metrics)
+    metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
+    engine = AsyncEngine(LLMEngine(runner, lm.tokenizer, cfg.max_batch, router), cfg.max_queue, metrics)
+    return Served(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, masks, router is not None,
+                  engine, metrics, str(dtype).removeprefix("torch."))
+
+
+async def _in_own_thread(fn, *args):
+    """``fn(*args)`` on a new thread that ends with it, so that the OpenMP workers torch starts
+    there end too and the engine thread stays the only one with a team (see server.async_engine)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def target():
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(done.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(done.set_result, result)
+
+    threading.Thread(target=target, name="igserve-load", daemon=True).start()
+    return await done
 
 
 # ---------------------------------------------------------------------------- the service
@@ -140,7 +166,7 @@ class Service:
 
     async def load(self) -> None:
         try:
-            served = await asyncio.to_thread(load_served, self.cfg)
+            served = await _in_own_thread(load_served, self.cfg)
         except (models.ModelLoadError, BankError, EncoderError) as exc:
             message = str(exc)
         except Exception as exc:  # anything else: reported the same way, with a traceback
@@ -150,7 +176,7 @@ class Service:
             served.engine.start()
             self.served, self.status = served, "ok"
             log.info("serving %s (context %d, %d masks, %s)", served.name, served.context, len(served.masks),
-                     "input-guided routing" if served.router else "dense")
+                     "input-guided routing" if served.routing else "dense")
             return
         self.status = "failed"
         log.error("%s", message)
@@ -160,8 +186,6 @@ class Service:
         if self.served is not None:
             self.status = "draining"
             await self.served.engine.shutdown()
-            if self.served.router is not None:
-                self.served.router.close()
 
     def count_error(self, error_type: str) -> None:
         if self.served is not None:
@@ -218,26 +242,22 @@ class Service:
         return requested
 
     @staticmethod
-    async def choose_mask(served: Served, choice: str, routing_text: str) -> tuple[str, Route | None]:
+    def choose_mask(served: Served, choice: str) -> str | None:
+        """The mask id a request asks for; None: the engine routes it on its input."""
         if choice == "auto":
-            if served.router is None:
-                return DENSE, None
-            route = await served.router.route(routing_text)
-            return route.mask_id, route
+            return None if served.routing else DENSE
         if choice not in served.masks:
             valid = ", ".join(["auto", *served.masks])
             raise APIError(400, f"unknown mask '{choice}'; valid: {valid}", param="igserve.mask", code="unknown_mask")
-        return choice, None
+        return choice
 
     async def generate(self, http: Request, served: Served, body: protocol.GenerationRequest,
                        prompt_ids: list[int], routing_text: str, max_tokens: int, arrival: float, chat: bool):
-        if served.engine.full:  # refuse before spending encoder time on a request that cannot queue
-            raise _queue_full(served.engine)
-        mask_id, route = await self.choose_mask(served, body.igserve.mask, routing_text)
-        choice = served.masks[mask_id]
+        mask_id = self.choose_mask(served, body.igserve.mask)
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=body.stop_list())
-        req = EngineRequest(prompt_ids, choice.mask, params, mask_id=mask_id, arrival=arrival)
+                                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+        mask = None if mask_id is None else served.masks[mask_id].mask
+        req = EngineRequest(prompt_ids, mask, params, mask_id=mask_id, routing_text=routing_text, arrival=arrival)
         try:
             stream = served.engine.submit(req)
         except QueueFull:
@@ -245,11 +265,7 @@ class Service:
         except EngineClosed as exc:
             raise APIError(503, str(exc), code="unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)}) from None
-        served.metrics.admitted(req, choice.skip_ratio, choice.compute_saved,
-                                route.router_ms / 1000 if route else None)
-        reply = _Reply(served, req, chat, protocol.IgserveInfo(
-            mask=mask_id, skip_ratio=choice.skip_ratio, compute_saved=choice.compute_saved,
-            router_ms=route.router_ms if route else 0.0, distance=route.distance if route else None))
+        reply = _Reply(served, req, chat)
         if body.stream:
             return StreamingResponse(reply.sse(stream, body.include_usage()), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -285,16 +301,23 @@ async def _until_disconnect(http: Request) -> None:
 class _Reply:
     """OpenAI response objects for one request, completion or chat flavour."""
 
-    def __init__(self, served: Served, req: EngineRequest, chat: bool, info: protocol.IgserveInfo):
-        self.served, self.req, self.chat, self.info = served, req, chat, info
+    def __init__(self, served: Served, req: EngineRequest, chat: bool):
+        self.served, self.req, self.chat = served, req, chat
         self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
+
+    def info(self) -> protocol.IgserveInfo:
+        """The mask the request runs under; known once the engine has scheduled it."""
+        req, choice = self.req, self.served.masks[self.req.mask_id]
+        return protocol.IgserveInfo(mask=req.mask_id, skip_ratio=choice.skip_ratio, compute_saved=choice.compute_saved,
+                                    router_ms=req.route.router_ms if req.route else 0.0,
+                                    distance=req.route.distance if req.route else None)
 
     def usage(self) -> protocol.Usage:
         n_prompt, n_out = len(self.req.prompt_ids), len(self.req.output_ids)
         return protocol.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
 
     def _common(self) -> dict:
-        return {"id": self.id, "model": self.served.name, "igserve": self.info}
+        return {"id": self.id, "model": self.served.name, "igserve": self.info()}
 
     def response(self) -> BaseModel:
         req = self.req
@@ -321,11 +344,14 @@ class _Reply:
 
     async def sse(self, stream, include_usage: bool):
         """``data:`` events: (chat) a role chunk, text deltas, the finish reason, usage, ``[DONE]``.
-        Leaving early (client gone, server stopping) aborts the request."""
+        Every chunk names the mask, so the first waits for the engine to schedule (and route) the
+        request. Leaving early (client gone, server stopping) aborts the request."""
         try:
-            if self.chat:
-                yield _event(self.chunk("", role=True))
+            first = True
             async for out in stream:
+                if self.chat and first:
+                    yield _event(self.chunk("", role=True))
+                first = False
                 if out.delta or out.finished:
                     yield _event(self.chunk(out.delta, self.req.finish_reason if out.finished else None))
             if include_usage:
@@ -406,7 +432,8 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
         served = service.served
         body = {"status": service.status}
         if served is not None:
-            body.update(model=served.name, routing="ig" if served.router else "dense", masks=list(served.masks),
+            body.update(model=served.name, dtype=served.dtype, routing="ig" if served.routing else "dense",
+                        masks=list(served.masks),
                         running=served.engine.num_running, waiting=served.engine.num_waiting)
         return JSONResponse(body, status_code=200 if service.status == "ok" else 503)
 
@@ -433,13 +460,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest max_tokens a request may ask for")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
                         help="context length (prompt + output) the KV cache is sized for")
+    parser.add_argument("--dtype", default=d.dtype, choices=models.DTYPES,
+                        help="weights and KV cache; auto: bfloat16 on CUDA and on CPUs with AMX, else float32")
     parser.add_argument("--log-level", default="info")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(model=args.model, bank=args.bank, api_key=args.api_key, device=args.device,
                        max_batch=args.max_batch, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
-                       max_model_len=args.max_model_len)
+                       max_model_len=args.max_model_len, dtype=args.dtype)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,13 +3,15 @@
 Starts its own server (``--model``, ``--bank``) unless ``--url`` names a running one. For each
 client count and each mode (``ig``: ``igserve.mask`` auto; ``dense``: forced) -- the two modes
 alternate per client count so background load hits both alike -- C closed-loop clients each send
-R greedy streaming requests with mixed-domain prompts. Reported per run: aggregate output
+R greedy streaming requests with mixed-domain prompts, each generating exactly ``--max-tokens``
+(``ignore_eos``, so that IG and dense do the same work). Reported per run: aggregate output
 tokens/s (completion tokens over wall time), TTFT and per-token latency percentiles, router ms
 and skip ratio from the ``igserve`` objects, and the acceptance checks of the serving design.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -42,9 +44,11 @@ class Sample:
     error: str | None = None
 
 
-async def stream_chat(http: httpx.AsyncClient, model: str, prompt: str, mask: str, max_tokens: int) -> Sample:
+async def stream_chat(http: httpx.AsyncClient, model: str, prompt: str, mask: str, max_tokens: int,
+                      ignore_eos: bool = True) -> Sample:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "igserve": {"mask": mask}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
+            "igserve": {"mask": mask}}
     start = time.perf_counter()
     first = last = None
     sample = Sample()
@@ -74,11 +78,11 @@ async def stream_chat(http: httpx.AsyncClient, model: str, prompt: str, mask: st
 
 
 async def run_clients(http, model: str, prompts: list[str], mode: str, clients: int, per_client: int,
-                      max_tokens: int) -> dict:
+                      max_tokens: int, ignore_eos: bool = True) -> dict:
     async def client(i: int) -> list[Sample]:
         # consecutive clients start on different prompts, so every step mixes domains
-        return [await stream_chat(http, model, prompts[(i + j * clients) % len(prompts)], MODES[mode], max_tokens)
-                for j in range(per_client)]
+        return [await stream_chat(http, model, prompts[(i + j * clients) % len(prompts)], MODES[mode], max_tokens,
+                                   ignore_eos) for j in range(per_client)]
 
     start = time.perf_counter()
     samples = [s for batch in await asyncio.gather(*(client(i) for i in range(clients))) for s in batch]
@@ -135,7 +139,7 @@ def start_server(args, max_batch: int) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--bank", args.bank,
            "--port", str(port), "--max-batch", str(max_batch), "--max-model-len", str(args.max_model_len),
-           "--log-level", "warning"]
+           "--dtype", args.dtype, "--log-level", "warning"]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
@@ -172,7 +176,7 @@ async def bench(url: str, args, client_counts: list[int]) -> list[dict]:
         for clients in client_counts:
             for mode in args.modes:
                 run = await run_clients(http, model, prompts, mode, clients, args.requests_per_client,
-                                        args.max_tokens)
+                                        args.max_tokens, args.ignore_eos)
                 print(f"{mode:>5} x{clients:<3} {run['output_tok_s']:8.2f} tok/s  ttft p50 {run['ttft_ms_p50']} ms "
                       f"p95 {run['ttft_ms_p95']} ms  tpot p50 {run['tpot_ms_p50']} ms  router p50 "
                       f"{run['router_ms_p50']} ms  skip {run['skip_ratio_mean']}  errors {run['errors']}",
@@ -191,6 +195,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024, help="for a server this command starts")
+    parser.add_argument("--dtype", default="auto", choices=models.DTYPES, help="for a server this command starts")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="every request generates exactly --max-tokens (as vLLM's throughput benchmark), "
+                             "so both modes do the same work")
     parser.add_argument("--prompts", default=str(PROMPTS), help="JSONL of {domain, prompt}")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     parser.add_argument("--server-log", help="file for the output of a server this command starts")
@@ -217,6 +225,7 @@ def run(args) -> int:
     result = {"runs": runs, "acceptance": acceptance(runs),
               "config": {"url": args.url, "model": health.get("model"), "bank": None if args.url else args.bank,
                          "routing": health.get("routing"), "clients": client_counts,
+                         "dtype": health.get("dtype"), "ignore_eos": args.ignore_eos,
                          "requests_per_client": args.requests_per_client, "max_tokens": args.max_tokens,
                          "prompts": str(args.prompts), "cpus": os.cpu_count()}}
     print(json.dumps(result["acceptance"], indent=1))

@@ -3,6 +3,8 @@
 Each ``step()`` either prefills newly admitted requests (when a cache slot is free) or decodes
 one token for every running request. Requests with different masks share a step: the runner
 runs each block only on the rows whose mask keeps it. Requests join and leave between steps.
+A request without a mask is routed (``router``) right before it is admitted, in one encoder
+batch with the others admitted in that step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from router.router import Route, Router
 from server.runner import BlockRunner
 from server.sampling import SamplingParams, find_stop, holdback, sample
 
@@ -21,9 +24,11 @@ from server.sampling import SamplingParams, find_stop, holdback, sample
 @dataclass
 class Request:
     prompt_ids: list[int]
-    mask: torch.Tensor  # bool [B]
+    mask: torch.Tensor | None  # bool [B]; None: routed on ``routing_text`` at admission
     params: SamplingParams
-    mask_id: str = "dense"
+    mask_id: str | None = "dense"
+    routing_text: str | None = None
+    route: Route | None = None  # set when the engine routed the request
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
     # state
@@ -55,9 +60,10 @@ class StepOutput:
 class LLMEngine:
     """Schedules requests onto the runner's cache slots; one step = one batched forward."""
 
-    def __init__(self, runner: BlockRunner, tokenizer, max_batch: int | None = None):
+    def __init__(self, runner: BlockRunner, tokenizer, max_batch: int | None = None, router: Router | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
+        self.router = router
         self.max_batch = min(max_batch or runner.cache.slots, runner.cache.slots)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -69,6 +75,15 @@ class LLMEngine:
         self.eos_ids = eos
         self.blocks_executed = torch.zeros(2, dtype=torch.long)  # attn, ffn (token-blocks)
 
+    def warm_up(self) -> None:
+        """Pay first-call costs (TorchScript's profiling runs of the encoder, kernel set-up) before
+        the first request does; on the thread that will serve."""
+        if self.router is not None:
+            for _ in range(3):
+                self.router.route(["warm-up"])
+        dense = torch.ones(1, self.runner.num_blocks, dtype=torch.bool)
+        self.runner.prefill([[0] * 8], dense, [self.free_slots[0]])  # a free slot: nothing to overwrite
+
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
         if len(request.prompt_ids) == 0:
@@ -76,6 +91,8 @@ class LLMEngine:
         if len(request.prompt_ids) + 1 > self.runner.max_len:
             raise ValueError(f"prompt of {len(request.prompt_ids)} tokens leaves no room in a context of "
                              f"{self.runner.max_len}")
+        if request.mask is None and (self.router is None or request.routing_text is None):
+            raise ValueError("a request without a mask needs a routing text and an engine with a router")
         request.generator = request.params.generator(self.runner.device)
         self.waiting.append(request)
 
@@ -92,13 +109,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[StepOutput]:
-        admitted = []
-        while self.waiting and self.free_slots:
-            req = self.waiting.popleft()
-            req.slot = self.free_slots.pop(0)
-            req.scheduled_time = time.monotonic()
-            admitted.append(req)
+        admitted = list(itertools.islice(self.waiting, len(self.free_slots)))
         if admitted:
+            self._route([r for r in admitted if r.mask is None])  # first: a router error leaves the queue as it was
+            for req in admitted:
+                self.waiting.popleft()
+                req.slot = self.free_slots.pop(0)
+                req.scheduled_time = time.monotonic()
             self.running.extend(admitted)
             masks = torch.stack([r.mask for r in admitted])
             logits = self.runner.prefill([r.prompt_ids for r in admitted], masks, [r.slot for r in admitted])
@@ -113,6 +130,12 @@ class LLMEngine:
                                     masks, [r.slot for r in batch])
         self._count_blocks(masks, [1] * len(batch))
         return self._advance(batch, logits)
+
+    def _route(self, requests: list[Request]) -> None:
+        if not requests:
+            return
+        for req, route in zip(requests, self.router.route([r.routing_text for r in requests])):
+            req.mask, req.mask_id, req.route = self.router.masks[route.mask_id], route.mask_id, route
 
     def _count_blocks(self, masks: torch.Tensor, tokens: list[int]) -> None:
         per_row = masks.view(len(tokens), -1, 2).sum(1).cpu()  # [n, (attn, ffn)]

@@ -65,11 +65,13 @@ NUM_WAITING = Gauge("igserve_num_requests_waiting", "Requests waiting for a batc
 
 
 class ServingMetrics:
-    """The metrics of one served model. ``admitted`` and ``error`` run on the event loop, the
-    rest on the engine thread (prometheus_client is thread-safe)."""
+    """The metrics of one served model. ``error`` runs on the event loop, the rest on the engine
+    thread (prometheus_client is thread-safe). ``mask_costs``: mask id -> (skip ratio, compute
+    saved), observed once per request when it is prefilled."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, mask_costs: dict[str, tuple[float, float]]):
         self.model_name = model_name
+        self.mask_costs = mask_costs
         self.e2e = E2E_LATENCY.labels(model_name)
         self.ttft = TTFT.labels(model_name)
         self.itl = INTER_TOKEN_LATENCY.labels(model_name)
@@ -93,12 +95,13 @@ class ServingMetrics:
     def error(self, error_type: str) -> None:
         REQUEST_ERRORS.labels(self.model_name, error_type).inc()
 
-    def admitted(self, req: Request, skip_ratio: float, compute_saved: float, router_s: float | None) -> None:
+    def _scheduled(self, req: Request) -> None:
         REQUESTS_BY_MASK.labels(self.model_name, req.mask_id).inc()
+        skip_ratio, compute_saved = self.mask_costs[req.mask_id]
         self.skip.observe(skip_ratio)
         self.saved.observe(compute_saved)
-        if router_s is not None:
-            self.router.observe(router_s)
+        if req.route is not None:
+            self.router.observe(req.route.router_ms / 1000)
 
     def queued(self, req: Request, now: float) -> None:
         """The request entered the engine's waiting queue."""
@@ -114,6 +117,7 @@ class ServingMetrics:
             self.generation_tokens.inc(len(out.new_token_ids))
             last = self._last_token.get(req.request_id)
             if last is None:  # this step prefilled the request
+                self._scheduled(req)
                 self.prompt_tokens.inc(len(req.prompt_ids))
                 self.ttft.observe(req.first_token_time - req.arrival)
                 self.queue.observe(req.scheduled_time - self._queued.pop(req.request_id))

@@ -39,6 +39,29 @@ class ModelLoadError(RuntimeError):
     """A model could not be found, read, or run by the block-masked runner."""
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """``auto``: bfloat16 where matmuls run natively in it (CUDA with bf16, CPUs with AMX; ~5x the
+    fp32 prefill throughput on a Sapphire Rapids core), float32 elsewhere; other names as given."""
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
+    if name != "auto":
+        return getattr(torch, name)
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_amx() else torch.float32
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags
+
+
 @dataclass
 class LoadedModel:
     name: str

@@ -73,6 +73,7 @@ class GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past an end-of-sequence token
     igserve: IgserveOptions = IgserveOptions()
 
     @field_validator("n")

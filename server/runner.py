@@ -154,11 +154,18 @@ class BlockRunner:
                              _prefill_mask(attention_mask, b, t, self.device))
 
     @torch.inference_mode()
-    def extend(self, chunks: list[list[int]], starts: list[int], masks: torch.Tensor, slots: list[int],
-               all_positions: bool = False) -> torch.Tensor:
+    def extend(self, chunks: list[list[int]], starts: list[int], masks: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Append each row's chunk to its cache slot, whose first ``start`` positions are already
-        filled, and return logits: of each chunk's last token [B, V], or of every chunk position
-        [B, T, V] (right-padded) with ``all_positions``. Prefill and decode are both this call."""
+        filled; logits of each chunk's last token [B, V]. Prefill and decode are both this call."""
+        h = self.extend_hidden(chunks, starts, masks, slots)
+        lengths = torch.tensor([len(c) for c in chunks], device=self.device)
+        return self.lm_head(h[torch.arange(len(chunks), device=self.device), lengths - 1])
+
+    @torch.inference_mode()
+    def extend_hidden(self, chunks: list[list[int]], starts: list[int], masks: torch.Tensor,
+                      slots: list[int]) -> torch.Tensor:
+        """``extend`` returning the final-norm hidden states of every chunk position [B, T, H]
+        (right-padded), for callers that need logits at some positions only (scoring)."""
         dev = self.device
         lengths = torch.tensor([len(c) for c in chunks], device=dev)
         start_t = torch.tensor(starts, dtype=torch.long, device=dev)
@@ -179,10 +186,7 @@ class BlockRunner:
         write_slots = torch.where(valid, slot_t[:, None], self.cache.scratch)
         write_pos = torch.where(valid, positions, 0)
         attn_mask = (torch.arange(kv_len, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
-        h = self._forward(ids, positions, self._gates(masks), attn_mask, (slot_t, write_slots, write_pos))
-        if all_positions:
-            return self.lm_head(h)
-        return self.lm_head(h[torch.arange(len(chunks), device=dev), lengths - 1])
+        return self._forward(ids, positions, self._gates(masks), attn_mask, (slot_t, write_slots, write_pos))
 
     def prefill(self, prompts: list[list[int]], masks: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Run prompts from position 0 into their cache slots; logits of each last token [B, V]."""

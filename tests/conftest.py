@@ -165,7 +165,7 @@ def serve_tiny(tiny_model_dir, tiny_bank, tiny_bank_file):
 
     def start(**overrides) -> LiveServer:
         fields = dict(model=str(tiny_model_dir), bank=str(tiny_bank_file), api_key=TEST_API_KEY, max_batch=4,
-                      max_queue=8, max_tokens_limit=200, max_model_len=256)
+                      max_queue=8, max_tokens_limit=200, max_model_len=256, dtype="float32")  # as the references
         server = LiveServer(ServeConfig(**{**fields, **overrides}), tiny_bank).start()
         servers.append(server)
         return server

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import TEST_API_KEY, LiveServer, metric_value
+from conftest import TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, metric_value
 
 from router.router import Router, chat_routing_text
 from server.engine import LLMEngine, Request
@@ -221,24 +221,42 @@ def test_concurrent_requests_with_different_masks_equal_each_alone(client, model
     assert len({mask for _, _, mask in together}) >= 4
 
 
-def test_priority_jobs_hold_back_engine_steps(tiny):
-    """While routing holds the engine (AsyncEngine.priority), no new step starts."""
-    from server.async_engine import AsyncEngine
+def test_ignore_eos_generates_past_the_end_of_sequence(serve_tiny, tiny, model):
+    """vLLM's ``ignore_eos``: the greedy first token is made an end-of-sequence token; without the
+    flag the request stops there, with it it runs to max_tokens."""
+    server = serve_tiny()
+    prompt = [5, 6, 7, 8]
+    dense = torch.ones(1, 2 * tiny.model.config.num_hidden_layers, dtype=torch.bool)
+    first = int(BlockRunner(tiny.model, max_slots=1, max_len=256).prefill([prompt], dense, [0]).argmax())
+    server.app.state.service.served.engine.engine.eos_ids.add(first)
+    client = server.client()
+    body = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"igserve": {"mask": "dense"}})
+    stopped = client.completions.create(**body)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    body["extra_body"]["ignore_eos"] = True
+    full = client.completions.create(**body)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 6
 
-    async def main():
-        engine = AsyncEngine(LLMEngine(BlockRunner(tiny.model, max_slots=2, max_len=256), tiny.tokenizer), 4)
-        engine.start()
-        req = Request([5, 6, 7], torch.ones(8, dtype=torch.bool), SamplingParams(max_tokens=3, temperature=0))
-        with engine.priority():
-            stream = engine.submit(req)
-            await asyncio.sleep(0.3)
-            assert req.output_ids == [] and req.scheduled_time is None
-        outputs = [out async for out in stream]
-        await engine.shutdown()
-        return outputs
 
-    outputs = asyncio.run(main())
-    assert [o.new_token_ids[0] for o in outputs] == outputs[-1].request.output_ids and outputs[-1].finished
+def test_engine_routes_the_requests_it_admits_in_one_encoder_batch(tiny, tiny_bank):
+    """Requests without a mask are routed at admission: one encoder call per admitting step, each
+    request getting the route Router.route gives it."""
+    router = Router(tiny_bank)
+    calls = []
+    original = router.route
+    router.route = lambda texts: calls.append(list(texts)) or original(texts)
+    engine = LLMEngine(BlockRunner(tiny.model, max_slots=4, max_len=256), tiny.tokenizer, router=router)
+    texts = list(TINY_BANK_TEXTS.values()) + ["Integrate x squared from zero to one.", "def add(a, b): return a + b"]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    reqs = [Request([5, 6, 7], None, params, mask_id=None, routing_text=t) for t in texts]
+    engine.generate(reqs)
+    assert calls == [texts[:4], texts[4:]]  # 4 slots: four routed together, the fifth when a slot frees
+    for req, route in zip(reqs, original(texts)):
+        assert req.mask_id == route.mask_id and req.route.distance == pytest.approx(route.distance, abs=1e-5)
+        assert torch.equal(req.mask, tiny_bank.mask(route.mask_id)) and req.finish_reason == "length"
+    with pytest.raises(ValueError, match="routing text"):
+        LLMEngine(BlockRunner(tiny.model, max_slots=1, max_len=256), tiny.tokenizer).add(
+            Request([5], None, params, mask_id=None, routing_text="no router"))
 
 
 # ---------------------------------------------------------------------------- errors
@@ -265,6 +283,7 @@ ERROR_CASES = [
     ("/completions", {"prompt": [1, 10**9]}, 400, "prompt", None),
     ("/completions", {"prompt": ""}, 400, "prompt", None),
     ("/completions", {"logprobs": 2}, 400, "logprobs", None),
+    ("/completions", {"ignore_eos": "yes"}, 400, "ignore_eos", None),
     ("/completions", {"igserve": {"mask": 7}}, 400, "igserve.mask", None),
     ("/completions", {"igserve": {"mask": "nope"}}, 400, "igserve.mask", "unknown_mask"),
     ("/completions", {"model": "gpt-4o"}, 404, "model", "model_not_found"),
@@ -522,16 +541,21 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir, tiny_bank_file, model
 
 # ---------------------------------------------------------------------------- the real model
 @pytest.mark.real_model
-def test_real_model_chat_matches_hf_generate(real):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_real_model_chat_matches_hf_generate(real, dtype):
+    import copy
+
     from server.api import ServeConfig
 
-    server = LiveServer(ServeConfig(model=real.name, bank=None, max_batch=2, max_model_len=512)).start()
+    server = LiveServer(ServeConfig(model=real.name, bank=None, max_batch=2, max_model_len=512, dtype=dtype)).start()
     try:
+        assert httpx.get(server.base_url + "/health").json()["dtype"] == dtype
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         r = server.client().chat.completions.create(model=real.name, messages=messages, max_tokens=12,
                                                     temperature=0)
         ids = real.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-        out = real.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+        reference = copy.deepcopy(real.model).to(getattr(torch, dtype))
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):]
         assert r.choices[0].message.content == real.tokenizer.decode(out, skip_special_tokens=True)
         assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(out)

