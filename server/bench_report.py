@@ -66,7 +66,11 @@ def serve_section(report: dict, results: Path) -> list[str]:
     rows = [[r["mode"], r["clients"], r["requests"], r["errors"], f"{r['output_tok_s']:.1f}",
              f"{r['ttft_ms_p50']:.0f}", f"{r['ttft_ms_p95']:.0f}", f"{r['tpot_ms_p50']:.1f}",
              f"{r['router_ms_p50']:.1f}", f"{r['skip_ratio_mean']:.3f}"] for r in runs]
-    return (["## Serving (`bench/results/serve.json`)", "", "![serve](results/serve.png)", ""]
+    c = report.get("config", {})
+    setup = (f"{c.get('model')}, bank {c.get('bank')}, {c.get('dtype') or 'float32'}, {c.get('requests_per_client')} "
+             f"streaming chat requests per client of {c.get('max_tokens')} tokens"
+             f"{' (ignore_eos)' if c.get('ignore_eos') else ''}, {c.get('cpus')} CPUs.")
+    return (["## Serving (`bench/results/serve.json`)", "", setup, "", "![serve](results/serve.png)", ""]
             + _table(["mode", "clients", "requests", "errors", "output tok/s", "TTFT p50 ms", "TTFT p95 ms",
                       "TPOT p50 ms", "router p50 ms", "skip ratio"], rows))
 

@@ -4,8 +4,11 @@ A model with L layers has B = 2L blocks, ordered attn_0, ffn_0, attn_1, ffn_1, .
 pre-norm sub-layer plus its residual add; a skipped block is the identity on the residual stream.
 Every forward takes one gate row per sequence:
 
-* a bool mask (serving): block j runs only on the rows that keep it, and not at all when no row
-  does; a skipped attention block neither writes nor reads KV for that row;
+* a bool mask (serving): block j is skipped when no row keeps it. Otherwise a prefill runs it on
+  the rows that keep it only; a decode step (one token per row, bound by reading the weights) runs
+  it on the whole batch and rows that skip it keep their residual stream unchanged, which beats
+  gathering the rows (4% less step time with 8 masks mixed in 16 rows). A row never uses the K/V
+  of an attention block it skips: its decode writes at that layer stay in its own slot, unread;
 * float gates (mask training): block j's output is scaled by the gate, rows whose gate is exactly
   0 are skipped, so hard masks and soft gates share this one code path.
 
@@ -112,8 +115,17 @@ class BlockRunner:
         keep = gates if hard else gates != 0
         counts = keep.sum(0).tolist()
         batch = ids.shape[0]
+        blend = hard and ids.shape[1] == 1 and cache_rows is not None  # decode: see the module docstring
         for j, count in enumerate(counts):
             if count == 0:
+                continue
+            if blend and count < batch:
+                layer = self.layers[j // 2]
+                if j % 2 == 0:
+                    out = self._attention(j // 2, layer.input_layernorm(h), cos, sin, attn_mask, cache_rows)
+                else:
+                    out = layer.mlp(layer.post_attention_layernorm(h))
+                h = torch.where(keep[:, j, None, None], h + out, h)
                 continue
             rows = None if count == batch else keep[:, j].nonzero().squeeze(1)
             layer = self.layers[j // 2]
