@@ -185,10 +185,25 @@ def plot_report(report: dict, path: Path) -> None:
     right.set_ylabel("perplexity / dense perplexity")
     right.set_title("per domain")
     right.legend(ncol=3, fontsize=8)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (creating its folder) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_report(report: dict, json_path: Path, plot_path: Path | None, plot) -> None:
+    """The report as JSON, and ``plot(report, plot_path)`` when a plot path is given."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    if plot_path:
+        plot(report, plot_path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,10 +224,7 @@ def run(args: argparse.Namespace) -> int:
               "docs_per_domain": args.docs_per_domain, "max_len": args.max_len}
     report.update(evaluate_bank(runner, lm.tokenizer, bank, domains, routes, args.max_len, args.batch_size, args.seed))
     report["seconds"] = round(time.perf_counter() - start, 1)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
-    if args.plot:
-        plot_report(report, args.plot)
+    write_report(report, args.json, args.plot, plot_report)
     print(format_report(report))
     print(f"wrote {args.json}{' and ' + str(args.plot) if args.plot else ''} in {report['seconds']:.0f} s")
     return 0

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from masks.bank import DENSE, MaskBank
 from masks.corpus import ZEROSHOT_TASKS
-from masks.evaluate import METHODS, STATIC
+from masks.evaluate import METHODS, STATIC, save_figure, write_report
 from masks.mc_tasks import MCExample, encode_pair, load_task, select
 
 BATCH_TOKENS = 2048  # rows x padded length per runner call (bounds the [rows, T, vocab] logits)
@@ -364,10 +364,7 @@ def plot_report(report: dict, path: Path) -> None:
     right.set_ylabel("share of examples")
     right.tick_params(axis="x", rotation=30)
     right.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -393,10 +390,7 @@ def run(args: argparse.Namespace) -> int:
               "limit": args.limit, "seed": args.seed, "data": data}
     report.update(evaluate(lm, bank, examples, Router(bank), args.seed, args.batch_tokens, args.cache))
     report["wall_s"] = round(time.perf_counter() - start, 1)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
-    if args.plot:
-        plot_report(report, args.plot)
+    write_report(report, args.json, args.plot, plot_report)
     print(markdown_table(report))
     s = report["summary"]
     print(f"best static: {s['best_static']}; IG mean acc_norm at or above every static baseline: "

@@ -215,11 +215,15 @@ class Service:
         except ValidationError as exc:
             raise from_validation(exc) from None
 
-    @staticmethod
-    def check_model(served: Served, name: str) -> None:
-        if name != served.name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{served.name}'",
+    async def accept(self, http: Request, kind: type[BaseModel]) -> tuple[float, Served, BaseModel]:
+        """Arrival time, the loaded model and the validated body of a generation request."""
+        arrival = time.monotonic()
+        served = self.ready()
+        body = await self.parse(http, kind)
+        if body.model != served.name:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{served.name}'",
                            param="model", code="model_not_found")
+        return arrival, served, body
 
     def max_tokens(self, served: Served, body: protocol.GenerationRequest, n_prompt: int, prompt_param: str,
                    default: int) -> int:
@@ -393,10 +397,7 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
 
     @v1.post("/completions")
     async def completions(http: Request):
-        arrival = time.monotonic()
-        served = service.ready()
-        body = await service.parse(http, protocol.CompletionRequest)
-        service.check_model(served, body.model)
+        arrival, served, body = await service.accept(http, protocol.CompletionRequest)
         prompt = body.prompt
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):  # token ids
             if any(not 0 <= t < served.vocab_size for t in prompt):
@@ -410,10 +411,7 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
 
     @v1.post("/chat/completions")
     async def chat_completions(http: Request):
-        arrival = time.monotonic()
-        served = service.ready()
-        body = await service.parse(http, protocol.ChatCompletionRequest)
-        service.check_model(served, body.model)
+        arrival, served, body = await service.accept(http, protocol.ChatCompletionRequest)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         try:
