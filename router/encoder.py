@@ -30,7 +30,7 @@ def check_name(name: str) -> None:
 class Encoder:
     """The sentence-transformers pipeline of all-MiniLM-L6-v2 (BERT, mean over real tokens, L2
     norm) with BERT and the pooling traced into one frozen TorchScript graph: the same embeddings
-    (within 1e-6) at about half the per-call cost (3.2 vs 6.3 ms for a short text on 2 cores),
+    (within 1e-6) at about half the per-call cost (3.6 vs 6.3 ms for a short text on 2 cores),
     which is most of a short request's routing time."""
 
     def __init__(self, model_path: str, device: str = "cpu"):

@@ -2,7 +2,8 @@
 
 Each ``step()`` either prefills newly admitted requests (when a cache slot is free) or decodes
 one token for every running request. Requests with different masks share a step: the runner
-runs each block only on the rows whose mask keeps it. Requests join and leave between steps.
+skips a block for the rows whose mask skips it (server.runner). Requests join and leave between
+steps.
 A request without a mask is routed (``router``) right before it is admitted, in one encoder
 batch with the others admitted in that step.
 """
