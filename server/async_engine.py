@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 
-from server.engine import LLMEngine, Request, StepOutput
+from server.engine import LLMEngine, Request, RoutingFailed, StepOutput
 from server.metrics import ServingMetrics
 
 log = logging.getLogger("igserve.engine")
@@ -147,9 +147,13 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
+            except RoutingFailed as exc:
+                log.exception("routing failed")
+                self._fail(exc.requests, exc)
+                continue
             except Exception as exc:  # a bug, not client input: fail what was in the batch, keep serving
                 log.exception("engine step failed")
-                self._fail_all(exc)
+                self._fail(list(engine.running) + list(engine.waiting), exc)
                 continue
             if self.metrics is not None:
                 self.metrics.step(outputs, engine.blocks_executed - blocks, time.monotonic())
@@ -177,8 +181,7 @@ class AsyncEngine:
                 if self.metrics is not None:
                     self.metrics.finished(req, time.monotonic())
 
-    def _fail_all(self, exc: Exception) -> None:
-        failed = list(self.engine.running) + list(self.engine.waiting)
+    def _fail(self, failed: list[Request], exc: Exception) -> None:
         for req in failed:
             self.engine.abort(req)
             if self.metrics is not None:

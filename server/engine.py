@@ -50,6 +50,14 @@ class Request:
 _ids = itertools.count()
 
 
+class RoutingFailed(Exception):
+    """The router raised while routing ``requests`` (they are out of the queue; nothing else is)."""
+
+    def __init__(self, requests: list[Request], cause: Exception):
+        super().__init__(f"routing failed: {cause}")
+        self.requests = requests
+
+
 @dataclass
 class StepOutput:
     request: Request
@@ -112,7 +120,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         admitted = list(itertools.islice(self.waiting, len(self.free_slots)))
         if admitted:
-            self._route([r for r in admitted if r.mask is None])  # first: a router error leaves the queue as it was
+            self._route([r for r in admitted if r.mask is None])  # before taking slots
             for req in admitted:
                 self.waiting.popleft()
                 req.slot = self.free_slots.pop(0)
@@ -135,7 +143,13 @@ class LLMEngine:
     def _route(self, requests: list[Request]) -> None:
         if not requests:
             return
-        for req, route in zip(requests, self.router.route([r.routing_text for r in requests])):
+        try:
+            routes = self.router.route([r.routing_text for r in requests])
+        except Exception as exc:  # only these requests fail; the running batch goes on
+            for req in requests:
+                self.abort(req)
+            raise RoutingFailed(requests, exc) from exc
+        for req, route in zip(requests, routes):
             req.mask, req.mask_id, req.route = self.router.masks[route.mask_id], route.mask_id, route
 
     def _count_blocks(self, masks: torch.Tensor, tokens: list[int]) -> None:

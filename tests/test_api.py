@@ -238,6 +238,29 @@ def test_ignore_eos_generates_past_the_end_of_sequence(serve_tiny, tiny, model):
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 6
 
 
+def test_a_router_fault_fails_only_the_requests_being_routed(serve_tiny, model):
+    """An encoder failure is a server fault (500, OpenAI error object) for the requests it was
+    routing; a request in flight with a forced mask finishes, and the server keeps serving."""
+    server = serve_tiny(max_tokens_limit=LONG)
+    engine = server.app.state.service.served.engine.engine
+    original = engine.router.route
+    client = server.client()
+    running = client.completions.create(model=model, prompt="Once upon a time", max_tokens=LONG, temperature=0,
+                                        stream=True, extra_body=mask_body("dense"))
+    next(iter(running))  # in the batch
+
+    def broken(texts):
+        raise RuntimeError("encoder exploded")
+
+    engine.router.route = broken
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=model, prompt="hello", max_tokens=2)
+    assert info.value.status_code == 500 and set(info.value.body) == {"message", "type", "param", "code"}
+    assert [c.choices[0].finish_reason for c in running][-1] == "length"
+    engine.router.route = original
+    assert client.completions.create(model=model, prompt="hello", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_engine_routes_the_requests_it_admits_in_one_encoder_batch(tiny, tiny_bank):
     """Requests without a mask are routed at admission: one encoder call per admitting step, each
     request getting the route Router.route gives it."""
