@@ -13,6 +13,9 @@ float32. The per-mask scores then give each method:
 * ig: the mask of the nearest centroid to the context (the choices' shared context for partial
   scoring), as the server routes a prompt;
 * random: a seeded, uniformly random cluster mask per example (a control for routing);
+* ig_ood (with ``--ood-quantile q``, an experiment, not what the server does): IG, except that a
+  context farther from its nearest centroid than the q-quantile of the bank's calibration
+  documents' distances to theirs gets the global greedy mask;
 * oracle: the cluster mask that ranks the gold choice highest above the best wrong one, per
   metric (a bound: it peeks at the labels; correct whenever any cluster mask is).
 
@@ -58,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="rows x tokens per runner call")
     parser.add_argument("--cache", type=Path, help="folder of per-(document, mask) scores to reuse and extend")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--ood-quantile", type=float,
+                        help="also report ig_ood: IG with the global greedy mask for contexts farther from their "
+                             "centroid than this quantile of the calibration documents' distances (needs the "
+                             "bank's calibration corpus)")
     parser.add_argument("--dtype", default="auto", choices=models.DTYPES,
                         help="weights and scoring (auto: bfloat16 on CUDA and on CPUs with AMX, else float32)")
 
@@ -215,13 +222,16 @@ def predictions(ll: np.ndarray, examples: list[MCExample]) -> dict[str, np.ndarr
 
 
 def choices(methods: list[str], bank: MaskBank, index: dict[str, int], margins: dict[str, np.ndarray],
-            routes: list[str], generator: torch.Generator) -> dict[str, dict[str, list[str]]]:
-    """Per method and metric, the mask id used for each example."""
+            routes: list[str], generator: torch.Generator, far: list[bool] | None = None) -> dict[str, dict[str, list[str]]]:
+    """Per method and metric, the mask id used for each example (``far``: contexts out of the
+    calibration distribution, for ig_ood)."""
     n = len(routes)
     clusters = bank.mask_ids
     rows = [index[m] for m in clusters]
     rand = [clusters[i] for i in torch.randint(len(clusters), (n,), generator=generator).tolist()]
     picks = {"ig": routes, "random": rand, **{m: [m] * n for m in methods if m in index}}
+    if far is not None:
+        picks["ig_ood"] = ["greedy" if f else r for r, f in zip(routes, far)]
     out = {m: {metric: picks[m] for metric in METRICS} for m in methods if m != "oracle"}
     out["oracle"] = {metric: [clusters[i] for i in margins[metric][:, rows].argmax(1)] for metric in METRICS}
     return out
@@ -243,12 +253,14 @@ def _paired(diffs: list[np.ndarray]) -> dict:
 
 
 def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], router, seed: int = 0,
-             batch_tokens: int = BATCH_TOKENS, cache: Path | None = None) -> dict:
+             batch_tokens: int = BATCH_TOKENS, cache: Path | None = None, ood_distance: float | None = None) -> dict:
     """Score every task under every distinct mask once, then aggregate each method (JSON-ready)."""
     from server.runner import BlockRunner
 
     static = [m for m in STATIC if m in bank.baselines]
     methods = [m for m in METHODS if m not in STATIC or m in static]
+    if ood_distance is not None and "greedy" in static:
+        methods.append("ig_ood")
     masks, index = unique_masks(bank, static)
     cost = BlockRunner(lm.model, max_slots=1, max_len=1)
     dense_params = cost.params_per_token(masks[index[DENSE]])
@@ -261,10 +273,12 @@ def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], router, s
     timing = {}
     for task, exs in examples.items():
         start = time.perf_counter()
-        routes = [r.mask_id for r in router.route([e.routing_text for e in exs])]
+        routed = router.route([e.routing_text for e in exs])
+        routes = [r.mask_id for r in routed]
+        far = [r.distance > ood_distance for r in routed] if "ig_ood" in methods else None
         ll, computed = cached_loglikelihoods(lm, exs, masks, cache, batch_tokens, desc=task)
         margins = predictions(ll, exs)
-        picks = choices(methods, bank, index, margins, routes, generator)
+        picks = choices(methods, bank, index, margins, routes, generator, far)
         for m in methods:
             for metric in METRICS:
                 rows = np.array([index[i] for i in picks[m][metric]])
@@ -312,9 +326,24 @@ def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], router, s
                     "ig_at_or_above_every_static": all(report_methods["ig"]["mean_acc_norm"]
                                                        >= report_methods[m]["mean_acc_norm"] for m in static),
                     "ig_at_or_above_every_static_acc": all(report_methods["ig"]["mean_acc"]
-                                                           >= report_methods[m]["mean_acc"] for m in static)},
+                                                           >= report_methods[m]["mean_acc"] for m in static),
+                    **({"ig_ood_at_or_above_every_static": all(report_methods["ig_ood"]["mean_acc_norm"]
+                                                               >= report_methods[m]["mean_acc_norm"] for m in static)}
+                       if "ig_ood" in methods else {})},
         "timing": timing,
     }
+
+
+def ood_distance(bank: MaskBank, router, quantile: float) -> float:
+    """The ``quantile`` of the bank's calibration documents' cosine distances to their nearest
+    centroid (the corpus named in the bank's training record)."""
+    from masks.corpus import load_domain_dir
+
+    texts = [t for domain in load_domain_dir(Path(bank.training["data"])).values() for t in domain]
+    if len(texts) != len(bank.calibration_docs):
+        raise ValueError(f"{bank.training['data']} holds {len(texts)} documents, the bank was built on "
+                         f"{len(bank.calibration_docs)}")
+    return float(np.quantile([r.distance for r in router.route(texts)], quantile))
 
 
 # ----------------------------------------------------------------------------- output
@@ -388,7 +417,12 @@ def run(args: argparse.Namespace) -> int:
               "bank_sha256": hashlib.sha256(args.bank.read_bytes()).hexdigest(), "model": lm.name,
               "fingerprint": lm.fingerprint, "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
               "limit": args.limit, "seed": args.seed, "data": data}
-    report.update(evaluate(lm, bank, examples, Router(bank), args.seed, args.batch_tokens, args.cache))
+    router = Router(bank)
+    ood = None
+    if args.ood_quantile is not None:
+        ood = ood_distance(bank, router, args.ood_quantile)
+        report["ood"] = {"quantile": args.ood_quantile, "distance": ood}
+    report.update(evaluate(lm, bank, examples, router, args.seed, args.batch_tokens, args.cache, ood))
     report["wall_s"] = round(time.perf_counter() - start, 1)
     write_report(report, args.json, args.plot, plot_report)
     print(markdown_table(report))

@@ -116,6 +116,10 @@ def test_methods_follow_direct_argmax():
     picks = zeroshot.choices(["dense", "ig", "static_l0", "oracle", "random"], bank, index, margins, routes,
                              torch.Generator().manual_seed(0))
     assert picks["ig"]["acc"] == routes and set(picks["random"]["acc"]) == set(bank.mask_ids)
+    far = [i % 4 == 0 for i in range(len(examples))]
+    ood = zeroshot.choices(["dense", "ig", "greedy", "ig_ood"], bank, {**index, "greedy": 4}, margins, routes,
+                           torch.Generator().manual_seed(0), far)["ig_ood"]["acc"]
+    assert ood == ["greedy" if f else r for r, f in zip(routes, far)] and "greedy" in ood
     for metric in zeroshot.METRICS:
         oracle = np.array([margins[metric][i, index[m]] > 0 for i, m in enumerate(picks["oracle"][metric])])
         np.testing.assert_array_equal(oracle, (margins[metric][:, 1:4] > 0).any(1))
