@@ -110,8 +110,9 @@ def load_served(cfg: ServeConfig) -> Served:
 
     hf_logging.disable_progress_bar()
     dtype = models.resolve_dtype(cfg.dtype, cfg.device)
+    dtype_name = str(dtype).removeprefix("torch.")
     lm = models.load(cfg.model, device=cfg.device, dtype=dtype)
-    log.info("model %s in %s on %s", lm.name, str(dtype).removeprefix("torch."), cfg.device)
+    log.info("model %s in %s on %s", lm.name, dtype_name, cfg.device)
     runner = BlockRunner(lm.model, max_slots=cfg.max_batch, max_len=cfg.max_model_len)
     path = _bank_path(cfg.bank)
     bank, router = None, None
@@ -133,7 +134,7 @@ def load_served(cfg: ServeConfig) -> Served:
     metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
     engine = AsyncEngine(LLMEngine(runner, lm.tokenizer, cfg.max_batch, router), cfg.max_queue, metrics)
     return Served(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, masks, router is not None,
-                  engine, metrics, str(dtype).removeprefix("torch."))
+                  engine, metrics, dtype_name)
 
 
 async def _in_own_thread(fn, *args):

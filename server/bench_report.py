@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-METHOD_ORDER = ("dense", "ig", "static_l0", "shortgpt", "greedy", "random", "oracle")
+METHOD_ORDER = ("dense", "ig", "static_l0", "shortgpt", "greedy", "random", "oracle", "ig_ood")
 
 
 def add_arguments(parser) -> None:
@@ -105,7 +105,7 @@ def zeroshot_section(reports: list[tuple[str, dict]]) -> list[str]:
         tasks = list(next(iter(methods.values()))["tasks"])
         rows = [[m] + [f"{100 * methods[m]['tasks'][t]['acc_norm']:.1f} ± {100 * methods[m]['tasks'][t]['ci95']:.1f}"
                        for t in tasks] + [f"{100 * methods[m]['mean_acc_norm']:.1f}"]
-                for m in (*METHOD_ORDER, "ig_ood") if m in methods]
+                for m in METHOD_ORDER if m in methods]
         n = {t: methods["dense"]["tasks"][t]["n"] for t in tasks} if "dense" in methods else {}
         out += [f"### {name} (sparsity {report['sparsity']}), acc_norm %, ± 95% CI; n = {n}", ""]
         out += _table(["method", *tasks, "average"], rows)

@@ -119,15 +119,7 @@ class BlockRunner:
         for j, count in enumerate(counts):
             if count == 0:
                 continue
-            if blend and count < batch:
-                layer = self.layers[j // 2]
-                if j % 2 == 0:
-                    out = self._attention(j // 2, layer.input_layernorm(h), cos, sin, attn_mask, cache_rows)
-                else:
-                    out = layer.mlp(layer.post_attention_layernorm(h))
-                h = torch.where(keep[:, j, None, None], h + out, h)
-                continue
-            rows = None if count == batch else keep[:, j].nonzero().squeeze(1)
+            rows = None if count == batch or blend else keep[:, j].nonzero().squeeze(1)
             layer = self.layers[j // 2]
             x = h if rows is None else h.index_select(0, rows)
             if j % 2 == 0:
@@ -141,7 +133,12 @@ class BlockRunner:
             if not hard:
                 g = gates[:, j] if rows is None else gates[rows, j]
                 out = out * g.to(out.dtype)[:, None, None]
-            h = h + out if rows is None else h.index_add(0, rows, out)
+            if rows is not None:
+                h = h.index_add(0, rows, out)
+            elif count < batch:  # blended decode: rows that skip block j keep their residual stream
+                h = torch.where(keep[:, j, None, None], h + out, h)
+            else:
+                h = h + out
         return self.norm(h)
 
     # ------------------------------------------------------------------ public entry points
