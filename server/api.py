@@ -44,7 +44,7 @@ from server.async_engine import AsyncEngine, EngineClosed, QueueFull
 from server.engine import LLMEngine
 from server.engine import Request as EngineRequest
 from server.errors import APIError, from_validation, install
-from server.metrics import REGISTRY, ServingMetrics
+from server.metrics import REGISTRY, ServingMetrics, count_error
 from server.runner import BlockRunner
 from server.sampling import SamplingParams
 
@@ -189,8 +189,7 @@ class Service:
             await self.served.engine.shutdown()
 
     def count_error(self, error_type: str) -> None:
-        if self.served is not None:
-            self.served.metrics.error(error_type)
+        count_error(models.served_name(self.cfg.model), error_type)
 
     # ------------------------------------------------------------------ per-request steps
     def authorize(self, http: Request) -> None:

@@ -64,10 +64,14 @@ NUM_RUNNING = Gauge("igserve_num_requests_running", "Requests in a batch slot.",
 NUM_WAITING = Gauge("igserve_num_requests_waiting", "Requests waiting for a batch slot.", [LABEL], registry=REGISTRY)
 
 
+def count_error(model_name: str, error_type: str) -> None:
+    """One error response (from the event loop; also while the model is still loading)."""
+    REQUEST_ERRORS.labels(model_name, error_type).inc()
+
+
 class ServingMetrics:
-    """The metrics of one served model. ``error`` runs on the event loop, the rest on the engine
-    thread (prometheus_client is thread-safe). ``mask_costs``: mask id -> (skip ratio, compute
-    saved), observed once per request when it is prefilled."""
+    """The metrics of one served model, observed on the engine thread. ``mask_costs``: mask id ->
+    (skip ratio, compute saved), observed once per request when it is prefilled."""
 
     def __init__(self, model_name: str, mask_costs: dict[str, tuple[float, float]]):
         self.model_name = model_name
@@ -91,9 +95,6 @@ class ServingMetrics:
     def queue_sizes(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
-
-    def error(self, error_type: str) -> None:
-        REQUEST_ERRORS.labels(self.model_name, error_type).inc()
 
     def _scheduled(self, req: Request) -> None:
         REQUESTS_BY_MASK.labels(self.model_name, req.mask_id).inc()

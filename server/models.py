@@ -117,6 +117,11 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def served_name(name_or_path: str) -> str:
+    """The name clients use for a model: a packaged model's name, else its directory's name."""
+    return name_or_path if name_or_path in PACKAGED_MODELS else Path(name_or_path).expanduser().name
+
+
 def prepare(name_or_path: str) -> Path:
     """Return a local HF directory for the model, converting a packaged GGUF once."""
     if name_or_path in PACKAGED_MODELS:
@@ -166,5 +171,4 @@ def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dt
     model.eval().requires_grad_(False)
     fingerprint = weights_fingerprint(model)
     model.to(device=device, dtype=dtype)
-    name = name_or_path if name_or_path in PACKAGED_MODELS else path.name
-    return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, fingerprint=fingerprint)
+    return LoadedModel(name=served_name(name_or_path), path=path, model=model, tokenizer=tokenizer, fingerprint=fingerprint)

@@ -493,9 +493,12 @@ def test_health_is_503_until_loaded(tiny_model_dir, monkeypatch, model):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         assert health.status_code == 503 and health.json()["status"] == "loading"
+        unavailable = dict(model_name=model, error_type="service_unavailable")
+        before = metric_value(server.metrics(), "igserve_request_errors_total", **unavailable)
         with pytest.raises(openai.InternalServerError) as info:
             server.client().completions.create(model=model, prompt="x")
         assert info.value.status_code == 503 and info.value.response.headers["retry-after"] == "5"
+        assert metric_value(server.metrics(), "igserve_request_errors_total", **unavailable) == before + 1
         release.set()
         server.wait_healthy()
         assert server.client().completions.create(model=model, prompt="x", max_tokens=1).usage.completion_tokens == 1
