@@ -29,9 +29,11 @@ def check_name(name: str) -> None:
 
 class Encoder:
     """The sentence-transformers pipeline of all-MiniLM-L6-v2 (BERT, mean over real tokens, L2
-    norm) with BERT and the pooling traced into one frozen TorchScript graph: the same embeddings
-    (within 1e-6) at about half the per-call cost (3.6 vs 6.3 ms for a short text on 2 cores),
-    which is most of a short request's routing time."""
+    norm) with BERT and the pooling traced into one frozen TorchScript graph, its linears prepacked
+    for oneDNN (``optimize_for_inference``): the same embeddings (within 1e-5) at about half the
+    per-call cost of eager (3.6 vs 6.3 ms for a short text on 2 cores). Prepacking matters most
+    in a server, where decode steps push the encoder's weights out of the CPU caches between
+    requests: a route right after 64 decode steps took 5.7 ms prepacked, 7.2 ms without."""
 
     def __init__(self, model_path: str, device: str = "cpu"):
         from sentence_transformers import SentenceTransformer
@@ -46,7 +48,7 @@ class Encoder:
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit, still the fastest path for a CPU encoder
             graph = torch.jit.trace(_MeanPooled(st[0].auto_model).eval(), example, check_trace=False)
-            self.graph = torch.jit.freeze(graph)
+            self.graph = torch.jit.optimize_for_inference(torch.jit.freeze(graph))
 
     def _tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
