@@ -52,6 +52,9 @@ class Router:
         self.mask_ids = list(bank.mask_ids)
         self.masks = {mask_id: bank.mask(mask_id) for mask_id in self.mask_ids}
 
+    def warm_up(self) -> None:
+        self.encoder.warm_up()
+
     def route(self, texts: list[str], batch_size: int = 32) -> list[Route]:
         start = time.perf_counter()
         with torch.inference_mode():

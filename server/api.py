@@ -122,7 +122,7 @@ def load_served(cfg: ServeConfig) -> Served:
     else:
         bank = MaskBank.load(path)
         bank.check_model(lm.fingerprint, runner.num_blocks)
-        router = Router(bank, load_encoder(cfg.device))
+        router = Router(bank, load_encoder(cfg.device, dtype))
         log.info("mask bank %s: %d clusters, sparsity %.2f, baselines %s", path, len(bank.mask_ids),
                  bank.sparsity, sorted(bank.baselines))
     dense_params = runner.params_per_token(torch.ones(runner.num_blocks, dtype=torch.bool))

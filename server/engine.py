@@ -88,8 +88,7 @@ class LLMEngine:
         """Pay first-call costs (TorchScript's profiling runs of the encoder, kernel set-up) before
         the first request does; on the thread that will serve."""
         if self.router is not None:
-            for _ in range(3):
-                self.router.route(["warm-up"])
+            self.router.warm_up()
         dense = torch.ones(1, self.runner.num_blocks, dtype=torch.bool)
         self.runner.prefill([[0] * 8], dense, [self.free_slots[0]])  # a free slot: nothing to overwrite
 

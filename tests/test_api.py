@@ -24,6 +24,7 @@ import torch
 from conftest import TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, metric_value
 
 from router.router import Router, chat_routing_text
+from server import api
 from server.engine import LLMEngine, Request
 from server.runner import BlockRunner
 from server.sampling import SamplingParams
@@ -102,6 +103,14 @@ def test_auto_routing_uses_the_nearest_centroid(client, model, tiny, tiny_bank):
         ref = run_alone(tiny, tiny.tokenizer(prompt)["input_ids"], tiny_bank.mask(domain), max_tokens=6,
                         temperature=0)
         assert r.choices[0].text == ref.text
+
+
+def test_bfloat16_server_routes_with_a_bfloat16_encoder(tiny_model_dir, tiny_bank, tiny_bank_file):
+    served = api.load_served(api.ServeConfig(model=str(tiny_model_dir), bank=str(tiny_bank_file), dtype="bfloat16"))
+    router = served.engine.engine.router
+    assert router.encoder.dtype == torch.bfloat16
+    prompts = list(PROMPTS.values())
+    assert [r.mask_id for r in router.route(prompts)] == [r.mask_id for r in Router(tiny_bank).route(prompts)]
 
 
 def test_chat_routes_on_last_user_turn_and_system(client, model, tiny, tiny_bank):
@@ -476,8 +485,6 @@ def test_dense_mode_without_a_bank(tiny_model_dir, tmp_path, model):
 
 def test_health_is_503_until_loaded(tiny_model_dir, monkeypatch, model):
     import threading
-
-    from server import api
 
     release = threading.Event()
     load = api.load_served

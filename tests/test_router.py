@@ -8,7 +8,7 @@ import torch
 from conftest import TINY_BANK_TEXTS
 
 from masks.bank import BankError, MaskBank
-from router.encoder import ENCODER_DIM, Encoder, check_name, embed, load_encoder
+from router.encoder import BF16_PAD, ENCODER_DIM, Encoder, check_name, embed, load_encoder
 from router.router import Router, chat_routing_text
 
 NEW_TEXTS = {
@@ -56,6 +56,22 @@ def test_router_picks_the_nearest_centroid(tiny_bank):
     assert [r.mask_id for r in routes[:3]] == list(TINY_BANK_TEXTS)
     assert all(r.distance < 1e-5 for r in routes[:3])
     assert [r.mask_id for r in routes[3:]] == list(NEW_TEXTS)
+
+
+def test_bfloat16_encoder_pads_and_agrees_with_float32():
+    fast = load_encoder(dtype=torch.bfloat16)
+    long_text = "The quick brown fox jumps over the lazy dog. " * 60
+    texts = list(TINY_BANK_TEXTS.values()) + list(NEW_TEXTS.values()) + [long_text]
+    ids, mask = fast._tokenize(texts[:2])
+    assert ids.shape[1] % BF16_PAD == 0 and mask.sum(1).max() < ids.shape[1]  # padded past the longest
+    got = embed(texts, batch_size=3, encoder=fast)
+    exact = embed(texts)
+    assert got.dtype == torch.float32 and (got - exact).abs().max() > 0  # really computed in bfloat16
+    torch.testing.assert_close(got.norm(dim=1), torch.ones(len(texts)))
+    assert ((got * exact).sum(1) > 0.999).all()
+    alone = torch.cat([embed([t], encoder=fast) for t in texts])
+    torch.testing.assert_close(got, alone, atol=2e-3, rtol=0)  # padding and batching barely matter
+    fast.warm_up()
 
 
 def test_router_refuses_a_bank_for_another_encoder(tiny_bank):
