@@ -37,9 +37,11 @@ class Encoder:
     requests: a route right after 64 decode steps took 5.7 ms prepacked, 7.2 ms without.
 
     ``dtype`` is that of the weights (pooling and the embeddings are float32 either way). In
-    bfloat16 oneDNN compiles a matmul kernel for every new token count, so texts are padded to a
-    multiple of ``BF16_PAD`` tokens and the kernels are reused (padding does not change an
-    embedding): the first route after decode steps then takes 4.8 ms (6.9 unpadded)."""
+    bfloat16 on the CPU the linears' weights are reordered once into oneDNN's blocked layout (a
+    plain bfloat16 linear re-packs its weight on every call), and as oneDNN compiles a kernel for
+    every new token count, texts are padded to a multiple of ``BF16_PAD`` tokens so kernels are
+    reused (padding does not change an embedding). A route right after 64 decode steps: 3.6 ms,
+    against 4.5 ms without the reordering and 6.9 ms without either."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
         from sentence_transformers import SentenceTransformer
@@ -54,7 +56,10 @@ class Encoder:
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit, still the fastest path for a CPU encoder
-            graph = torch.jit.trace(_MeanPooled(st[0].auto_model.to(dtype)).eval(), example, check_trace=False)
+            bert = st[0].auto_model.to(dtype)
+            if dtype == torch.bfloat16 and device == "cpu":
+                _reorder_linears(bert, torch.jit.script(_onednn_linear))
+            graph = torch.jit.trace(_MeanPooled(bert).eval(), example, check_trace=False)
             self.graph = torch.jit.optimize_for_inference(torch.jit.freeze(graph))
 
     def _tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +92,35 @@ class _MeanPooled(torch.nn.Module):
         tokens = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
         weights = attention_mask.unsqueeze(-1).float()
         return F.normalize((tokens * weights).sum(1) / weights.sum(1), dim=-1)
+
+
+def _reorder_linears(module: torch.nn.Module, linear_fn) -> None:
+    """Replace every Linear by a _ReorderedLinear, in place."""
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.Linear):
+            setattr(module, name, _ReorderedLinear(child, linear_fn))
+        else:
+            _reorder_linears(child, linear_fn)
+
+
+class _ReorderedLinear(torch.nn.Module):
+    """A bfloat16 Linear whose weight is in oneDNN's blocked layout (as torch.compile's CPU
+    freezing does it); the same outputs as the Linear. ``linear_fn``: ``_onednn_linear``,
+    scripted, since the tracer cannot record the op's empty ``Scalar?[]`` argument."""
+
+    def __init__(self, linear: torch.nn.Linear, linear_fn):
+        super().__init__()
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BF16_PAD))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.linear_fn = linear_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fn(x, self.weight, self.bias)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    no_scalars: list[number | None] = []  # noqa: F821 (TorchScript's number type)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", no_scalars, "")
 
 
 @lru_cache(maxsize=None)

@@ -192,7 +192,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("IGSERVE_API_KEY"))
     parser.add_argument("--clients", default="1,4,16", help="comma-separated concurrent client counts")
     parser.add_argument("--modes", default="ig,dense", help="comma-separated: ig, dense")
-    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--requests-per-client", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024, help="for a server this command starts")
     parser.add_argument("--dtype", default="auto", choices=models.DTYPES, help="for a server this command starts")

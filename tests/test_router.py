@@ -74,6 +74,17 @@ def test_bfloat16_encoder_pads_and_agrees_with_float32():
     fast.warm_up()
 
 
+def test_reordered_linear_equals_linear():
+    from router.encoder import _onednn_linear, _ReorderedLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(384, 1536).to(torch.bfloat16)
+    x = torch.randn(2, 16, 384, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = _ReorderedLinear(linear, torch.jit.script(_onednn_linear))(x)
+        torch.testing.assert_close(got, linear(x))
+
+
 def test_router_refuses_a_bank_for_another_encoder(tiny_bank):
     data = dict(vars(tiny_bank), encoder={"name": "bge-small-en", "dim": ENCODER_DIM})
     with pytest.raises(BankError, match="bge-small-en"):
