@@ -57,7 +57,7 @@ class Encoder:
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit, still the fastest path for a CPU encoder
             bert = st[0].auto_model.to(dtype)
-            if dtype == torch.bfloat16 and device == "cpu":
+            if dtype == torch.bfloat16 and device == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 _reorder_linears(bert, torch.jit.script(_onednn_linear))
             graph = torch.jit.trace(_MeanPooled(bert).eval(), example, check_trace=False)
             self.graph = torch.jit.optimize_for_inference(torch.jit.freeze(graph))
