@@ -171,4 +171,5 @@ def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dt
     model.eval().requires_grad_(False)
     fingerprint = weights_fingerprint(model)
     model.to(device=device, dtype=dtype)
-    return LoadedModel(name=served_name(name_or_path), path=path, model=model, tokenizer=tokenizer, fingerprint=fingerprint)
+    return LoadedModel(name=served_name(name_or_path), path=path, model=model, tokenizer=tokenizer,
+                       fingerprint=fingerprint)
