@@ -58,7 +58,7 @@ class Encoder:
             warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit, still the fastest path for a CPU encoder
             bert = st[0].auto_model.to(dtype)
             if dtype == torch.bfloat16 and device == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-                _reorder_linears(bert, torch.jit.script(_onednn_linear))
+                _reorder_linears(bert)
             graph = torch.jit.trace(_MeanPooled(bert).eval(), example, check_trace=False)
             self.graph = torch.jit.optimize_for_inference(torch.jit.freeze(graph))
 
@@ -94,13 +94,13 @@ class _MeanPooled(torch.nn.Module):
         return F.normalize((tokens * weights).sum(1) / weights.sum(1), dim=-1)
 
 
-def _reorder_linears(module: torch.nn.Module, linear_fn) -> None:
-    """Replace every Linear by a _ReorderedLinear, in place."""
-    for name, child in module.named_children():
-        if isinstance(child, torch.nn.Linear):
-            setattr(module, name, _ReorderedLinear(child, linear_fn))
-        else:
-            _reorder_linears(child, linear_fn)
+def _reorder_linears(module: torch.nn.Module) -> None:
+    """Replace every Linear inside ``module`` by a _ReorderedLinear, in place."""
+    linear_fn = torch.jit.script(_onednn_linear)
+    for parent in list(module.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, _ReorderedLinear(child, linear_fn))
 
 
 class _ReorderedLinear(torch.nn.Module):
