@@ -8,6 +8,11 @@ bounded by slots + queue: past that ``submit`` raises ``QueueFull``. ``shutdown`
 All torch work of a running server happens on this one thread (steps and routing). libgomp gives
 every thread that runs parallel ops its own worker team, and once there are more such threads
 than cores it stops spinning between ops: steps measured 1.7x slower with a second team.
+
+Failures: a request that fails in the engine gets its exception in its stream, alone. An
+exception that escapes a step (a bug) fails the requests in the engine and serving goes on. If
+the thread itself dies, every stream gets the error and ``on_death`` is told (the server then
+answers 503 on /health and exits non-zero, for an orchestrator to restart it).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import queue
 import threading
 import time
 
-from server.engine import LLMEngine, Request, RoutingFailed, StepOutput
+from typing import Callable
+
+from server.engine import LLMEngine, Request, StepOutput
 from server.metrics import ServingMetrics
 
 log = logging.getLogger("igserve.engine")
@@ -29,7 +36,8 @@ class QueueFull(Exception):
 
 
 class EngineClosed(Exception):
-    """The engine is draining for shutdown and takes no new requests."""
+    """The engine is draining for shutdown and takes no new requests, or it stopped before a
+    request finished (drain timeout, engine thread gone)."""
 
 
 class RequestStream:
@@ -55,8 +63,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int, metrics: ServingMetrics | None = None):
+    def __init__(self, engine: LLMEngine, max_queue: int, metrics: ServingMetrics | None = None,
+                 on_death: Callable[[str], None] = lambda message: None):
         self.engine = engine
+        self.on_death = on_death  # called on the event loop if the engine thread dies
         self.capacity = engine.max_batch + max_queue
         self.metrics = metrics
         self.num_running = 0  # written by the engine thread after each step
@@ -67,6 +77,7 @@ class AsyncEngine:
         self._idle = asyncio.Event()
         self._closing = False
         self._stop = False
+        self.dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -76,10 +87,14 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="igserve-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
     def submit(self, request: Request) -> RequestStream:
         """Queue a request; raises QueueFull or EngineClosed at once, never later."""
-        if self._closing:
-            raise EngineClosed("server is shutting down")
+        if self._closing or self.dead is not None:
+            raise EngineClosed("server is shutting down" if self.dead is None else "the engine has stopped")
         if self.full:
             raise QueueFull(f"{len(self._streams)} requests in flight, the limit is {self.capacity}")
         stream = RequestStream(request)
@@ -102,12 +117,24 @@ class AsyncEngine:
     def full(self) -> bool:
         return len(self._streams) >= self.capacity
 
-    async def shutdown(self) -> None:
-        """Refuse new requests, let the ones in flight finish, then stop the thread."""
+    def close(self) -> None:
+        """Refuse new requests from now on; the ones in flight go on."""
         self._closing = True
+
+    async def shutdown(self, timeout: float | None = None) -> int:
+        """Refuse new requests, let the ones in flight finish (for at most ``timeout`` seconds; then
+        they end with EngineClosed), then stop the thread. Returns how many were cut off."""
+        self._closing = True
+        cut = 0
         if self._streams:
             log.info("draining %d in-flight requests", len(self._streams))
-            await self._idle.wait()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                cut = len(self._streams)
+                log.warning("drain timeout (%ss): ending %d requests still in flight", timeout, cut)
+                self._end_all(EngineClosed(f"the server shut down before the request finished (drain timeout "
+                                           f"{timeout:g}s)"))
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -131,8 +158,28 @@ class AsyncEngine:
         if not self._streams:
             self._idle.set()
 
+    def _end_all(self, exc: BaseException) -> None:
+        """Event loop: every stream still open gets ``exc``; the engine drops their requests."""
+        for stream in list(self._streams.values()):
+            stream.items.put_nowait(exc)
+            self._send("abort", stream.request)
+        self._streams.clear()
+        self._check_idle()
+
+    def _died(self, exc: BaseException) -> None:
+        self._end_all(EngineClosed(f"the engine stopped: {type(exc).__name__}: {exc}"))
+        self.on_death(f"engine thread died: {type(exc).__name__}: {exc}")
+
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        except BaseException as exc:  # the thread is going: say so, never die silently
+            log.critical("engine thread died", exc_info=exc)
+            self.dead = exc
+            self._loop.call_soon_threadsafe(self._died, exc)
+
+    def _loop_steps(self) -> None:
         engine = self.engine
         engine.warm_up()
         blocks = engine.blocks_executed.clone()
@@ -147,11 +194,7 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except RoutingFailed as exc:
-                log.exception("routing failed")
-                self._fail(exc.requests, exc)
-                continue
-            except Exception as exc:  # a bug, not client input: fail what was in the batch, keep serving
+            except Exception as exc:  # a bug, not client input: fail what is in the engine, keep serving
                 log.exception("engine step failed")
                 self._fail(list(engine.running) + list(engine.waiting), exc)
                 continue
@@ -160,7 +203,8 @@ class AsyncEngine:
             blocks = engine.blocks_executed.clone()
             self._count()
             if outputs:
-                self._loop.call_soon_threadsafe(self._deliver, [(out.request, out) for out in outputs])
+                self._loop.call_soon_threadsafe(
+                    self._deliver, [(out.request, out.error or out) for out in outputs])
 
     def _drain_inbox(self) -> None:
         while True:

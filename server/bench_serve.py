@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 
 from server import models
-from server.api import DEFAULT_BANK
+from server.config import DEFAULT_BANK
 
 PROMPTS = Path(__file__).resolve().parents[1] / "load" / "prompts.jsonl"
 MODES = {"ig": "auto", "dense": "dense"}

@@ -1,61 +1,38 @@
-"""Continuous-batching engine over the block-masked runner (synchronous core).
+"""Continuous-batching engine core (synchronous): schedule -> route -> execute -> postprocess.
 
-Each ``step()`` either prefills newly admitted requests (when a cache slot is free) or decodes
-one token for every running request. Requests with different masks share a step: the runner
-skips a block for the rows whose mask skips it (server.runner). Requests join and leave between
-steps.
-A request without a mask is routed (``router``) right before it is admitted, in one encoder
-batch with the others admitted in that step.
+``step()`` asks the scheduler (server.scheduler) for one step's work: a decode token for every
+running request and prefill chunks within the token budget. The requests the step admits are
+routed first, in one encoder batch. Decode rows run as one batched forward, prefill chunks as
+another; rows with different masks share each (the runner skips a block for the rows whose mask
+skips it). Postprocessing samples, detokenises incrementally and applies stop conditions.
+
+A failure fails only the requests it belongs to: a routing error the requests being routed, a
+forward that raises is retried row by row, and a row with non-finite logits or whose sampling or
+detokenising raises fails alone. The others in the step go on.
 """
 
 from __future__ import annotations
 
-import itertools
+import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from router.router import Route, Router
+from router.router import Router
+from server.detokenizer import Detokenizer, backend
+from server.request import Request
 from server.runner import BlockRunner
-from server.sampling import SamplingParams, find_stop, holdback, sample
+from server.sampling import sample
+from server.scheduler import Chunk, Scheduler
+
+__all__ = ["LLMEngine", "Request", "StepOutput"]
+
+log = logging.getLogger("igserve.engine")
 
 
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    mask: torch.Tensor | None  # bool [B]; None: routed on ``routing_text`` at admission
-    params: SamplingParams
-    mask_id: str | None = "dense"
-    routing_text: str | None = None
-    route: Route | None = None  # set when the engine routed the request
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
-    arrival: float = field(default_factory=time.monotonic)
-    # state
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""  # detokenised output, cut at a stop string
-    emitted: int = 0  # characters of text already handed out
-    slot: int | None = None
-    finish_reason: str | None = None
-    first_token_time: float | None = None
-    scheduled_time: float | None = None
-    generator: torch.Generator | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-_ids = itertools.count()
-
-
-class RoutingFailed(Exception):
-    """The router raised while routing ``requests`` (they are out of the queue; nothing else is)."""
-
-    def __init__(self, requests: list[Request], cause: Exception):
-        super().__init__(f"routing failed: {cause}")
-        self.requests = requests
+class RequestFailed(RuntimeError):
+    """A request failed on the engine side; the message says where."""
 
 
 @dataclass
@@ -65,18 +42,20 @@ class StepOutput:
     delta: str  # new text safe to hand out
     finished: bool
 
+    @property
+    def error(self) -> BaseException | None:
+        return self.request.error
+
 
 class LLMEngine:
-    """Schedules requests onto the runner's cache slots; one step = one batched forward."""
-
-    def __init__(self, runner: BlockRunner, tokenizer, max_batch: int | None = None, router: Router | None = None):
+    def __init__(self, runner: BlockRunner, tokenizer, max_batch: int | None = None, router: Router | None = None,
+                 max_num_batched_tokens: int | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
+        self._backend = backend(tokenizer)
         self.router = router
         self.max_batch = min(max_batch or runner.cache.slots, runner.cache.slots)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.free_slots = list(range(self.max_batch))
+        self.scheduler = Scheduler(self.max_batch, max_num_batched_tokens or runner.max_len)
         eos = runner.config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos]) - {None}
         if tokenizer.eos_token_id is not None:
@@ -84,13 +63,21 @@ class LLMEngine:
         self.eos_ids = eos
         self.blocks_executed = torch.zeros(2, dtype=torch.long)  # attn, ffn (token-blocks)
 
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
     def warm_up(self) -> None:
         """Pay first-call costs (TorchScript's profiling runs of the encoder, kernel set-up) before
         the first request does; on the thread that will serve."""
         if self.router is not None:
             self.router.warm_up()
         dense = torch.ones(1, self.runner.num_blocks, dtype=torch.bool)
-        self.runner.prefill([[0] * 8], dense, [self.free_slots[0]])  # a free slot: nothing to overwrite
+        self.runner.prefill([[0] * 8], dense, [self.scheduler.free_slots[0]])  # a free slot: nothing to overwrite
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -102,107 +89,118 @@ class LLMEngine:
         if request.mask is None and (self.router is None or request.routing_text is None):
             raise ValueError("a request without a mask needs a routing text and an engine with a router")
         request.generator = request.params.generator(self.runner.device)
-        self.waiting.append(request)
+        request.detokenizer = Detokenizer(self._backend, request.params.stop)
+        self.scheduler.add(request)
 
     def abort(self, request: Request) -> None:
         """Drop a request now (client gone); its slot is free for the next step."""
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if request in self.running:
-            self._release(request)
+        self.scheduler.remove(request)
         request.finish_reason = request.finish_reason or "abort"
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[StepOutput]:
-        admitted = list(itertools.islice(self.waiting, len(self.free_slots)))
-        if admitted:
-            self._route([r for r in admitted if r.mask is None])  # before taking slots
-            for req in admitted:
-                self.waiting.popleft()
-                req.slot = self.free_slots.pop(0)
-                req.scheduled_time = time.monotonic()
-            self.running.extend(admitted)
-            masks = torch.stack([r.mask for r in admitted])
-            logits = self.runner.prefill([r.prompt_ids for r in admitted], masks, [r.slot for r in admitted])
-            self._count_blocks(masks, [len(r.prompt_ids) for r in admitted])
-            return self._advance(admitted, logits)
-        if not self.running:
-            return []
-        batch = list(self.running)
-        masks = torch.stack([r.mask for r in batch])
-        logits = self.runner.decode([r.output_ids[-1] for r in batch],
-                                    [len(r.prompt_ids) + len(r.output_ids) - 1 for r in batch],
-                                    masks, [r.slot for r in batch])
-        self._count_blocks(masks, [1] * len(batch))
-        return self._advance(batch, logits)
+        sched = self.scheduler.schedule()
+        failed = self._route(sched.admitted)
+        now = time.monotonic()
+        for req in sched.admitted:
+            req.scheduled_time = now
+        outputs = [self._fail(req, exc) for req, exc in failed]
+        decode = [r for r in sched.decode if not r.finished]
+        if decode:
+            rows = [Chunk(r, r.num_tokens - 1, 1) for r in decode]
+            outputs += self._execute(rows, [[r.output_ids[-1]] for r in decode])
+        prefill = [c for c in sched.prefill if not c.request.finished]
+        if prefill:
+            outputs += self._execute(prefill, [c.token_ids for c in prefill])
+        return outputs
 
-    def _route(self, requests: list[Request]) -> None:
-        if not requests:
-            return
+    def _route(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
+        """Give each unrouted request its mask; the ones the router fails on are returned."""
+        todo = [r for r in requests if r.mask is None]
+        if not todo:
+            return []
         try:
-            routes = self.router.route([r.routing_text for r in requests])
+            routes = self.router.route([r.routing_text for r in todo])
         except Exception as exc:  # only these requests fail; the running batch goes on
-            for req in requests:
-                self.abort(req)
-            raise RoutingFailed(requests, exc) from exc
-        for req, route in zip(requests, routes):
+            log.exception("routing failed")
+            return [(r, RequestFailed(f"routing failed: {exc}")) for r in todo]
+        for req, route in zip(todo, routes):
             req.mask, req.mask_id, req.route = self.router.masks[route.mask_id], route.mask_id, route
+        return []
+
+    def _execute(self, rows: list[Chunk], tokens: list[list[int]]) -> list[StepOutput]:
+        """One forward over rows; a row that makes it fail is found by running the rows one by one."""
+        reqs = [c.request for c in rows]
+        masks = torch.stack([r.mask for r in reqs])
+        try:
+            logits = self.runner.extend(tokens, [c.start for c in rows], masks, [r.slot for r in reqs])
+        except Exception as exc:
+            if len(rows) == 1:
+                log.exception("forward failed for %s", reqs[0].request_id)
+                return [self._fail(reqs[0], RequestFailed(f"forward failed: {exc}"))]
+            log.warning("batched forward of %d rows failed (%s); retrying row by row", len(rows), exc)
+            return [out for i in range(len(rows)) for out in self._execute(rows[i:i + 1], tokens[i:i + 1])]
+        self._count_blocks(masks, [c.length for c in rows])
+        for c in rows:
+            c.request.num_computed = c.start + c.length
+        done = [i for i, c in enumerate(rows) if not c.request.prefilling]  # rows that sample a token
+        if not done:
+            return []
+        return self._postprocess([reqs[i] for i in done], logits[done])
+
+    def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[StepOutput]:
+        finite = torch.isfinite(logits).all(-1).tolist()
+        outputs = [self._fail(r, RequestFailed("the model produced non-finite logits"))
+                   for r, ok in zip(batch, finite) if not ok]
+        keep = [i for i, ok in enumerate(finite) if ok]
+        batch, logits = [batch[i] for i in keep], logits[keep]
+        try:
+            tokens = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+        except Exception:  # find the row(s) at fault; the others still get their token
+            tokens = []
+            for i, req in enumerate(batch):
+                try:
+                    tokens += sample(logits[i:i + 1], [req.params], [req.generator])
+                except Exception as exc:
+                    log.exception("sampling failed for %s", req.request_id)
+                    tokens.append(None)
+                    outputs.append(self._fail(req, RequestFailed(f"sampling failed: {exc}")))
+        now = time.monotonic()
+        for req, tok in zip(batch, tokens):
+            if tok is None:
+                continue
+            try:
+                outputs.append(self._append(req, tok, now))
+            except Exception as exc:
+                log.exception("postprocessing failed for %s", req.request_id)
+                outputs.append(self._fail(req, RequestFailed(f"detokenising failed: {exc}")))
+        return outputs
+
+    def _append(self, req: Request, tok: int, now: float) -> StepOutput:
+        req.first_token_time = req.first_token_time or now
+        req.output_ids.append(tok)
+        p = req.params
+        if tok in self.eos_ids and not p.ignore_eos:
+            req.finish_reason = "stop"
+        elif req.detokenizer.add(tok):
+            req.finish_reason = "stop"
+        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.runner.max_len:
+            req.finish_reason = "length"
+        if req.finished:
+            self.scheduler.remove(req)
+        return StepOutput(req, [tok], req.detokenizer.delta(req.finished), req.finished)
+
+    def _fail(self, req: Request, exc: BaseException) -> StepOutput:
+        self.scheduler.remove(req)
+        req.finish_reason, req.error = "error", exc
+        return StepOutput(req, [], "", True)
 
     def _count_blocks(self, masks: torch.Tensor, tokens: list[int]) -> None:
         per_row = masks.view(len(tokens), -1, 2).sum(1).cpu()  # [n, (attn, ffn)]
         self.blocks_executed += (per_row * torch.tensor(tokens)[:, None]).sum(0)
-
-    def _advance(self, batch: list[Request], logits: torch.Tensor) -> list[StepOutput]:
-        now = time.monotonic()
-        tokens = sample(logits, [r.params for r in batch], [r.generator for r in batch])
-        outputs = []
-        for req, tok in zip(batch, tokens):
-            req.first_token_time = req.first_token_time or now
-            req.output_ids.append(tok)
-            self._update_text(req, tok)
-            delta = self._take_delta(req)
-            if req.finished:
-                self._release(req)
-            outputs.append(StepOutput(req, [tok], delta, req.finished))
-        return outputs
-
-    def _update_text(self, req: Request, tok: int) -> None:
-        p = req.params
-        if tok in self.eos_ids and not p.ignore_eos:
-            req.finish_reason = "stop"
-            return
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        if p.stop:
-            cut = find_stop(text, p.stop, len(req.text))
-            if cut >= 0:
-                req.text = text[:cut]
-                req.finish_reason = "stop"
-                return
-        req.text = text
-        if len(req.output_ids) >= p.max_tokens:
-            req.finish_reason = "length"
-        elif len(req.prompt_ids) + len(req.output_ids) >= self.runner.max_len:
-            req.finish_reason = "length"
-
-    def _take_delta(self, req: Request) -> str:
-        end = len(req.text)
-        if not req.finished:
-            end -= holdback(req.params.stop)
-            while end > req.emitted and req.text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                end -= 1
-        if end <= req.emitted:
-            return ""
-        delta = req.text[req.emitted:end]
-        req.emitted = end
-        return delta
-
-    def _release(self, req: Request) -> None:
-        self.running.remove(req)
-        self.free_slots.append(req.slot)
-        self.free_slots.sort()
 
     # ------------------------------------------------------------------ offline convenience
     def generate(self, requests: list[Request]) -> list[Request]:

@@ -55,6 +55,8 @@ REQUESTS_BY_MASK = Counter("igserve_requests_by_mask", "Admitted requests by the
                            [LABEL, "mask"], registry=REGISTRY)
 REQUEST_ERRORS = Counter("igserve_request_errors", "Error responses by OpenAI error type.",
                          [LABEL, "error_type"], registry=REGISTRY)
+DRAIN_CUT = Counter("igserve_drain_timeout_requests", "Requests still in flight at the drain timeout on shutdown, "
+                    "ended with an error.", [LABEL], registry=REGISTRY)
 PROMPT_TOKENS = Counter("igserve_prompt_tokens", "Prefilled prompt tokens.", [LABEL], registry=REGISTRY)
 GENERATION_TOKENS = Counter("igserve_generation_tokens", "Generated tokens.", [LABEL], registry=REGISTRY)
 BLOCKS_EXECUTED = Counter("igserve_blocks_executed", "Block executions (one block on one token) by kind.",
@@ -104,6 +106,10 @@ class ServingMetrics:
         if req.route is not None:
             self.router.observe(req.route.router_ms / 1000)
 
+    def drain_cut(self, n: int) -> None:
+        if n:
+            DRAIN_CUT.labels(self.model_name).inc(n)
+
     def queued(self, req: Request, now: float) -> None:
         """The request entered the engine's waiting queue."""
         self._queued[req.request_id] = now
@@ -115,6 +121,9 @@ class ServingMetrics:
                 counter.inc(n)
         for out in outputs:
             req = out.request
+            if out.error is not None:  # failed in the engine: the API counts the error it answers
+                self.finished(req, now)
+                continue
             self.generation_tokens.inc(len(out.new_token_ids))
             last = self._last_token.get(req.request_id)
             if last is None:  # this step prefilled the request
@@ -132,7 +141,9 @@ class ServingMetrics:
         """A request left the engine: done, or aborted (``finish_reason == "abort"``)."""
         self._queued.pop(req.request_id, None)
         self._last_token.pop(req.request_id, None)
+        if req.finish_reason == "error":
+            return
         REQUEST_SUCCESS.labels(self.model_name, req.finish_reason).inc()
         self.e2e.observe(now - req.arrival)
-        if len(req.output_ids) > 1:
+        if len(req.output_ids) > 1 and req.first_token_time is not None:
             self.tpot.observe((now - req.first_token_time) / (len(req.output_ids) - 1))

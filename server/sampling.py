@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Below this temperature sampling is greedy: logits / 1e-300 overflow to inf (as vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -29,14 +32,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     greedy = logits.argmax(-1).tolist()
     out = []
     for i, p in enumerate(params):
-        if p.temperature == 0:
+        if p.temperature < GREEDY_TEMPERATURE:
             out.append(greedy[i])
             continue
         probs = torch.softmax(logits[i].float() / p.temperature, -1)
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
+            # in float64: a top_p such as 1e-300 is 0 in float32 and would drop every token
+            drop = (sorted_p.cumsum(0) - sorted_p).double() >= p.top_p
+            drop[0] = False
             sorted_p[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i])))

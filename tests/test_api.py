@@ -24,7 +24,7 @@ import torch
 from conftest import TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, metric_value
 
 from router.router import Router, chat_routing_text
-from server import api
+from server import api, loading, serving
 from server.engine import LLMEngine, Request
 from server.runner import BlockRunner
 from server.sampling import SamplingParams
@@ -106,7 +106,7 @@ def test_auto_routing_uses_the_nearest_centroid(client, model, tiny, tiny_bank):
 
 
 def test_bfloat16_server_routes_with_a_bfloat16_encoder(tiny_model_dir, tiny_bank, tiny_bank_file):
-    served = api.load_served(api.ServeConfig(model=str(tiny_model_dir), bank=str(tiny_bank_file), dtype="bfloat16"))
+    served = loading.load_served(api.ServeConfig(model=str(tiny_model_dir), bank=str(tiny_bank_file), dtype="bfloat16"))
     router = served.engine.engine.router
     assert router.encoder.dtype == torch.bfloat16
     prompts = list(PROMPTS.values())
@@ -487,8 +487,8 @@ def test_health_is_503_until_loaded(tiny_model_dir, monkeypatch, model):
     import threading
 
     release = threading.Event()
-    load = api.load_served
-    monkeypatch.setattr(api, "load_served", lambda cfg: release.wait(60) and load(cfg))
+    load = serving.load_served
+    monkeypatch.setattr(serving, "load_served", lambda *args: release.wait(60) and load(*args))
     server = LiveServer(api.ServeConfig(model=str(tiny_model_dir), bank=None, max_batch=1)).start(wait=False)
     try:
         deadline = time.monotonic() + 30

@@ -1,0 +1,55 @@
+"""`igserve serve` configuration: one ``ServeConfig``; its command-line flags are made from its fields.
+
+Each field's help text lives in its metadata, so a new setting is one line here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from server import models
+
+DEFAULT_BANK = "masks/banks/smollm2-135m-instruct-s0.25.json"
+
+
+def _opt(default, help: str, **argparse_kwargs):
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class ServeConfig:
+    model: str = _opt(models.DEFAULT_MODEL, "packaged model name or HF directory")
+    bank: str | None = _opt(DEFAULT_BANK, "mask bank JSON; a missing file serves dense")
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1 (default: $IGSERVE_API_KEY)",
+                               env="IGSERVE_API_KEY")
+    device: str = _opt("cpu", "cpu, cuda or cuda:N")
+    dtype: str = _opt("auto", "weights and KV cache; auto: bfloat16 on CUDA and on CPUs with AMX, else float32",
+                      choices=models.DTYPES)
+    max_batch: int = _opt(16, "sequences per step (KV cache slots)")
+    max_queue: int = _opt(64, "waiting requests before 429")
+    max_tokens_limit: int = _opt(1024, "largest max_tokens a request may ask for")
+    max_model_len: int = _opt(2048, "context length (prompt + output) the KV cache is sized for")
+    max_num_batched_tokens: int = _opt(256, "tokens per engine step: one per decoding request, the rest for "
+                                            "prefill chunks (long prompts are prefilled over several steps)")
+    max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body; larger bodies get 413")
+    drain_timeout: float = _opt(30.0, "seconds in-flight requests may take to finish on SIGTERM; then they end "
+                                      "with an error and the process exits")
+    log_level: str = _opt("info", "debug, info, warning or error")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(ServeConfig):
+        meta = dict(f.metadata)
+        env = meta.pop("env", None)
+        default = os.environ.get(env, f.default) if env else f.default
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0])
+        parser.add_argument("--" + f.name.replace("_", "-"), default=default, type=kind, **meta)
+
+
+def from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})

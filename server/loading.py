@@ -1,0 +1,119 @@
+"""Loading for `igserve serve`: model, mask bank and router into a ready engine (``Served``).
+
+Loading blocks for seconds, so it runs on a thread of its own that ends with it: the OpenMP
+workers torch starts there end too, and the engine thread stays the only one with a team (see
+server.async_engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from masks.bank import DENSE, MaskBank
+from router.encoder import load_encoder
+from router.router import Router
+from server import models
+from server.async_engine import AsyncEngine
+from server.config import ServeConfig
+from server.engine import LLMEngine
+from server.metrics import ServingMetrics
+from server.runner import BlockRunner
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+log = logging.getLogger("igserve.loading")
+
+
+@dataclass(frozen=True)
+class MaskChoice:
+    mask: torch.Tensor
+    skip_ratio: float
+    compute_saved: float
+
+
+@dataclass
+class Served:
+    """Everything a request needs once loading is done."""
+
+    name: str
+    tokenizer: object
+    context: int
+    vocab_size: int
+    max_token_chars: int  # the longest token's text: a prompt longer than context * this cannot fit
+    masks: dict[str, MaskChoice]  # every id a client may force, "dense" included
+    routing: bool  # False: dense mode (no bank)
+    engine: AsyncEngine
+    metrics: ServingMetrics
+    dtype: str
+
+
+def bank_path(bank: str | None) -> Path | None:
+    if not bank:
+        return None
+    path = Path(bank).expanduser()
+    if not path.is_absolute() and not path.exists():
+        path = REPO_ROOT / path  # the default bank ships inside the package tree
+    return path if path.is_file() else None
+
+
+def _mask_tensors(bank: MaskBank | None, router: Router | None, num_blocks: int) -> dict[str, torch.Tensor]:
+    """One tensor per mask id, shared by forced and routed requests."""
+    if bank is None:
+        return {DENSE: torch.ones(num_blocks, dtype=torch.bool)}
+    return {i: router.masks[i] if i in router.masks else bank.mask(i) for i in bank.all_mask_ids()}
+
+
+def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda message: None) -> Served:
+    """Load model, bank and encoder, and build the engine (blocking; raises ModelLoadError,
+    BankError or EncoderError with a message for the operator)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    dtype = models.resolve_dtype(cfg.dtype, cfg.device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    lm = models.load(cfg.model, device=cfg.device, dtype=dtype)
+    log.info("model %s in %s on %s", lm.name, dtype_name, cfg.device)
+    runner = BlockRunner(lm.model, max_slots=cfg.max_batch, max_len=cfg.max_model_len)
+    path = bank_path(cfg.bank)
+    bank, router = None, None
+    if path is None:
+        log.warning("no mask bank at %s: serving dense (mask 'dense' for every request, router not loaded)",
+                    cfg.bank)
+    else:
+        bank = MaskBank.load(path)
+        bank.check_model(lm.fingerprint, runner.num_blocks)
+        router = Router(bank, load_encoder(cfg.device, dtype))
+        log.info("mask bank %s: %d clusters, sparsity %.2f, baselines %s", path, len(bank.mask_ids),
+                 bank.sparsity, sorted(bank.baselines))
+    dense_params = runner.params_per_token(torch.ones(runner.num_blocks, dtype=torch.bool))
+    masks = {i: MaskChoice(m, 1.0 - float(m.float().mean()), 1.0 - runner.params_per_token(m) / dense_params)
+             for i, m in _mask_tensors(bank, router, runner.num_blocks).items()}
+    metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
+    engine = LLMEngine(runner, lm.tokenizer, cfg.max_batch, router, cfg.max_num_batched_tokens)
+    max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
+    return Served(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
+                  router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name)
+
+
+async def in_own_thread(fn, *args):
+    """``fn(*args)`` on a new thread that ends with it (see the module docstring)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def target():
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(done.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(done.set_result, result)
+
+    threading.Thread(target=target, name="igserve-load", daemon=True).start()
+    return await done

@@ -1,0 +1,58 @@
+"""One generation request as the engine sees it: prompt, mask, sampling, and its progress.
+
+Requests compare by identity (``eq=False``): two requests with the same prompt are still two
+requests, and a mask tensor must never be compared for queue membership.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from router.router import Route
+from server.detokenizer import Detokenizer
+from server.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    mask: torch.Tensor | None  # bool [B]; None: routed on ``routing_text`` when admitted
+    params: SamplingParams
+    mask_id: str | None = "dense"
+    routing_text: str | None = None
+    route: Route | None = None  # set when the engine routed the request
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.monotonic)
+    # progress, owned by the engine thread
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the slot
+    slot: int | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: BaseException | None = None  # why the request failed (finish_reason "error")
+    first_token_time: float | None = None
+    scheduled_time: float | None = None
+    generator: torch.Generator | None = None
+    detokenizer: Detokenizer | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """The prompt is not yet all in the cache (chunked prefill)."""
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""

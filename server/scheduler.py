@@ -1,0 +1,102 @@
+"""Which requests run in the next engine step, and how much of each: a per-step token budget.
+
+Every running request that is decoding gets its one token first; what is left of
+``max_num_batched_tokens`` goes to prefill chunks: first the prompts already being prefilled,
+then new admissions while cache slots are free. A long prompt is prefilled in chunks over
+several steps, so it never stalls the streams already running for longer than one chunk.
+Prefill rows of one step are right-padded to the longest chunk, so the budget counts padded
+tokens. The scheduler knows nothing of models: it returns a plain ``Schedule`` that maps onto
+the runner's calls, and is tested with a fake runner.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from server.request import Request
+
+
+@dataclass
+class Chunk:
+    request: Request
+    start: int  # position of the first token (= tokens already cached)
+    length: int
+
+    @property
+    def last(self) -> bool:
+        """This chunk ends the prompt: its logits give the first output token."""
+        return self.start + self.length == len(self.request.prompt_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_ids[self.start:self.start + self.length]
+
+
+@dataclass
+class Schedule:
+    decode: list[Request] = field(default_factory=list)  # one token each, in slot order
+    prefill: list[Chunk] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # given a slot in this step
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_num_batched_tokens: int):
+        if max_num_batched_tokens < num_slots:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least the number of "
+                             f"slots ({num_slots}), so that every running request can decode in each step")
+        self.num_slots = num_slots
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in slot order
+        self.free_slots = list(range(num_slots))
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished, aborted or failed); its slot is free for the next step."""
+        if request.slot is None:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+            return
+        if request in self.running:
+            self.running.remove(request)
+            self.free_slots.append(request.slot)
+            self.free_slots.sort()
+
+    def schedule(self) -> Schedule:
+        out = Schedule(decode=[r for r in self.running if not r.prefilling])
+        budget = self.budget - len(out.decode)
+        for req in self.running:  # prompts part-way through their prefill
+            if req.prefilling and not self._add_chunk(out, req, budget):
+                return out
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if not self._add_chunk(out, req, budget):
+                break
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop(0)
+            out.admitted.append(req)
+            self.running.append(req)
+        self.running.sort(key=lambda r: r.slot)
+        return out
+
+    @staticmethod
+    def _add_chunk(out: Schedule, req: Request, budget: int) -> bool:
+        """Add as much of req's prompt as the padded budget allows; False when none fits."""
+        rows = len(out.prefill) + 1
+        longest = max((c.length for c in out.prefill), default=0)
+        if rows * max(longest, 1) > budget:
+            return False
+        length = min(len(req.prompt_ids) - req.num_computed, max(longest, budget // rows))
+        out.prefill.append(Chunk(req, req.num_computed, length))
+        return True

@@ -1,0 +1,339 @@
+"""Request handling shared by both endpoints: HTTP request -> engine request -> response or SSE.
+
+Per request: authorise, validate, render and tokenise the prompt off the event loop (a huge prompt
+must not stall the streams the loop is serving), take a forced mask (``igserve.mask``) or leave the
+request to be routed by the engine at admission; queue, then answer or stream chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from masks.bank import BankError, DENSE
+from router.encoder import EncoderError
+from server import models, protocol
+from server.async_engine import AsyncEngine, EngineClosed, QueueFull
+from server.config import ServeConfig
+from server.errors import APIError, from_validation
+from server.loading import Served, in_own_thread, load_served
+from server.metrics import count_error
+from server.request import Request as EngineRequest
+from server.sampling import SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI; chat defaults to what the limit and the context allow
+RETRY_AFTER_FULL_S = 1
+RETRY_AFTER_UNAVAILABLE_S = 5
+
+log = logging.getLogger("igserve.serving")
+
+
+class Service:
+    """The serving state of one process; ``served`` is None until loading is done."""
+
+    def __init__(self, cfg: ServeConfig, on_fatal: Callable[[str], None]):
+        self.cfg = cfg
+        self.on_fatal = on_fatal
+        self.served: Served | None = None
+        self.status = "loading"
+        self._closing: asyncio.Future | None = None
+        # Tokenising and chat templates: CPU work kept off the event loop (no torch, so no OpenMP team).
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="igserve-tokenize")
+
+    async def load(self) -> None:
+        try:
+            served = await in_own_thread(load_served, self.cfg, self._engine_died)
+        except (models.ModelLoadError, BankError, EncoderError) as exc:
+            message = str(exc)
+        except Exception as exc:  # anything else: reported the same way, with a traceback
+            log.exception("loading failed")
+            message = f"{type(exc).__name__}: {exc}"
+        else:
+            served.engine.start()
+            self.served, self.status = served, "ok"
+            log.info("serving %s (context %d, %d masks, %s)", served.name, served.context, len(served.masks),
+                     "input-guided routing" if served.routing else "dense")
+            return
+        self.status = "failed"
+        log.error("%s", message)
+        self.on_fatal(message)
+
+    def _engine_died(self, message: str) -> None:
+        self.status = "failed"
+        log.critical("%s; exiting", message)
+        self.on_fatal(message)
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new requests; the ones in flight go on."""
+        if self.served is not None and self.status == "ok":
+            self.status = "draining"
+            self.served.engine.close()
+
+    def close(self) -> asyncio.Future:
+        """Drain and stop the engine (once; later calls await the same drain)."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        return self._closing
+
+    async def _close(self) -> None:
+        if self.served is not None:
+            if self.status == "ok":
+                self.status = "draining"
+            cut = await self.served.engine.shutdown(self.cfg.drain_timeout)
+            self.served.metrics.drain_cut(cut)
+        self._prep.shutdown(wait=False)
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == "ok" and self.served is not None and self.served.engine.alive
+
+    def count_error(self, error_type: str) -> None:
+        count_error(models.served_name(self.cfg.model), error_type)
+
+    # ------------------------------------------------------------------ per-request steps
+    def authorize(self, http: Request) -> None:
+        key = self.cfg.api_key
+        if not key:
+            return
+        scheme, _, given = http.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+    def ready(self) -> Served:
+        if self.served is None or not self.healthy:
+            status = self.status if self.status != "ok" else "failed"
+            raise APIError(503, f"server is {status}", code="unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+        return self.served
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+
+    async def accept(self, http: Request, kind: type[BaseModel]) -> tuple[float, Served, BaseModel]:
+        """Arrival time, the loaded model and the validated body of a generation request."""
+        arrival = time.monotonic()
+        served = self.ready()
+        raw = await http.body()
+        try:
+            body = await self.off_loop(kind.model_validate_json, raw)
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+        if body.model != served.name:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{served.name}'",
+                           param="model", code="model_not_found")
+        return arrival, served, body
+
+    async def tokenize(self, served: Served, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt text; one too long to fit is refused before it is tokenised."""
+        if len(text) > served.context * served.max_token_chars:
+            raise APIError(400, f"this model's maximum context length is {served.context} tokens, but the prompt "
+                                f"has {len(text)} characters, more than that many tokens can hold", param=param,
+                           code="context_length_exceeded")
+        encode = served.tokenizer
+        return (await self.off_loop(lambda: encode(text, add_special_tokens=add_special_tokens)))["input_ids"]
+
+    def max_tokens(self, served: Served, body: protocol.GenerationRequest, n_prompt: int, prompt_param: str,
+                   default: int) -> int:
+        ctx, limit = served.context, self.cfg.max_tokens_limit
+        if n_prompt == 0:
+            raise APIError(400, "the prompt is empty", param=prompt_param)
+        if n_prompt >= ctx:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens, but the prompt has "
+                                f"{n_prompt} tokens", param=prompt_param, code="context_length_exceeded")
+        requested = body.requested_max_tokens()
+        if requested is None:
+            return min(default, limit, ctx - n_prompt)
+        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        if requested > limit:
+            raise APIError(400, f"{param} is {requested}, this server allows at most {limit}", param=param)
+        if n_prompt + requested > ctx:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens, but {n_prompt + requested} "
+                                f"were requested ({n_prompt} in the prompt, {requested} in the completion)",
+                           param=param, code="context_length_exceeded")
+        return requested
+
+    @staticmethod
+    def choose_mask(served: Served, choice: str) -> str | None:
+        """The mask id a request asks for; None: the engine routes it on its input."""
+        if choice == "auto":
+            return None if served.routing else DENSE
+        if choice not in served.masks:
+            valid = ", ".join(["auto", *served.masks])
+            raise APIError(400, f"unknown mask '{choice}'; valid: {valid}", param="igserve.mask", code="unknown_mask")
+        return choice
+
+    async def generate(self, http: Request, served: Served, body: protocol.GenerationRequest,
+                       prompt_ids: list[int], routing_text: str, max_tokens: int, arrival: float, chat: bool):
+        mask_id = self.choose_mask(served, body.igserve.mask)
+        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+        mask = None if mask_id is None else served.masks[mask_id].mask
+        req = EngineRequest(prompt_ids, mask, params, mask_id=mask_id, routing_text=routing_text, arrival=arrival)
+        try:
+            stream = served.engine.submit(req)
+        except QueueFull:
+            raise _queue_full(served.engine) from None
+        except EngineClosed as exc:
+            raise _unavailable(exc) from None
+        reply = Reply(self, served, req, chat)
+        if body.stream:
+            return StreamingResponse(reply.sse(stream, body.include_usage()), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_drain(stream))
+        gone = asyncio.ensure_future(_until_disconnect(http))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            served.engine.abort(req)  # no-op when finished; frees the slot when the client left
+        if not collect.done():
+            collect.cancel()
+            return Response(status_code=499)  # client closed the connection; nobody reads this
+        try:
+            collect.result()
+        except Exception as exc:
+            raise engine_error(exc) from None
+        return JSONResponse(reply.response().model_dump())
+
+
+def _queue_full(engine: AsyncEngine) -> APIError:
+    return APIError(429, f"server is at capacity ({engine.in_flight} requests in flight); retry later",
+                    code="queue_full", headers={"Retry-After": str(RETRY_AFTER_FULL_S)})
+
+
+def _unavailable(exc: Exception) -> APIError:
+    return APIError(503, str(exc), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+
+
+def engine_error(exc: Exception) -> APIError:
+    """The error object for a request the engine could not finish."""
+    if isinstance(exc, EngineClosed):
+        return _unavailable(exc)
+    return APIError(500, f"internal server error: {exc}")
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+async def _until_disconnect(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Reply:
+    """OpenAI response objects for one request, completion or chat flavour."""
+
+    def __init__(self, service: Service, served: Served, req: EngineRequest, chat: bool):
+        self.service, self.served, self.req, self.chat = service, served, req, chat
+        self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
+
+    def info(self) -> protocol.IgserveInfo:
+        """The mask the request runs under; known once the engine has scheduled it."""
+        req, choice = self.req, self.served.masks[self.req.mask_id]
+        return protocol.IgserveInfo(mask=req.mask_id, skip_ratio=choice.skip_ratio, compute_saved=choice.compute_saved,
+                                    router_ms=req.route.router_ms if req.route else 0.0,
+                                    distance=req.route.distance if req.route else None)
+
+    def usage(self) -> protocol.Usage:
+        n_prompt, n_out = len(self.req.prompt_ids), len(self.req.output_ids)
+        return protocol.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+
+    def _common(self) -> dict:
+        return {"id": self.id, "model": self.served.name, "igserve": self.info()}
+
+    def response(self) -> BaseModel:
+        req = self.req
+        if self.chat:
+            return protocol.ChatCompletionResponse(
+                **self._common(), usage=self.usage(),
+                choices=[protocol.ChatChoice(message=protocol.ChatMessageOut(content=req.text),
+                                             finish_reason=req.finish_reason)])
+        return protocol.CompletionResponse(
+            **self._common(), usage=self.usage(),
+            choices=[protocol.CompletionChoice(text=req.text, finish_reason=req.finish_reason)])
+
+    def chunk(self, text: str, finish_reason: str | None = None, role: bool = False) -> BaseModel:
+        if self.chat:
+            delta = protocol.ChatDelta(role="assistant" if role else None, content=text)
+            return protocol.ChatCompletionChunk(
+                **self._common(), choices=[protocol.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+        return protocol.CompletionResponse(
+            **self._common(), choices=[protocol.CompletionChoice(text=text, finish_reason=finish_reason)])
+
+    def usage_chunk(self) -> BaseModel:
+        kind = protocol.ChatCompletionChunk if self.chat else protocol.CompletionResponse
+        return kind(**self._common(), choices=[], usage=self.usage())
+
+    async def sse(self, stream, include_usage: bool):
+        """``data:`` events: (chat) a role chunk, text deltas, the finish reason, usage, ``[DONE]``.
+        Every chunk names the mask, so the first waits for the engine to schedule (and route) the
+        request. A request the engine could not finish ends with an error event. Leaving early
+        (client gone) aborts the request."""
+        try:
+            first = True
+            async for out in stream:
+                if self.chat and first:
+                    yield _event(self.chunk("", role=True))
+                first = False
+                if out.delta or out.finished:
+                    yield _event(self.chunk(out.delta, self.req.finish_reason if out.finished else None))
+            if include_usage:
+                yield _event(self.usage_chunk())
+        except Exception as exc:  # the engine failed this request, or the server is stopping
+            err = engine_error(exc)
+            log.warning("stream %s ended with an error: %s", self.req.request_id, exc)
+            self.service.count_error(err.type)
+            yield _event(err.response().body)
+        finally:
+            self.served.engine.abort(self.req)
+        yield "data: [DONE]\n\n"
+
+
+def _event(payload: BaseModel | bytes) -> str:
+    data = payload.decode() if isinstance(payload, bytes) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``max_bytes`` gets 413 before it is read (by Content-Length) or
+    as soon as the bytes received pass the limit (chunked uploads)."""
+
+    def __init__(self, app, max_bytes: int, count: Callable[[str], None]):
+        self.app, self.max_bytes, self.count = app, max_bytes, count
+
+    def _error(self) -> APIError:
+        return APIError(413, f"request body is larger than this server's limit of {self.max_bytes} bytes",
+                        code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            err = self._error()
+            self.count(err.type)
+            return await err.response()(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._error()  # rendered by the APIError handler
+            return message
+
+        return await self.app(scope, limited, send)
