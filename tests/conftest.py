@@ -101,9 +101,7 @@ class LiveServer:
     def __init__(self, cfg, bank=None):
         import socket
 
-        import uvicorn
-
-        from server.api import create_app
+        from server.api import DrainingServer, create_app
 
         self.cfg, self.bank, self.api_key = cfg, bank, cfg.api_key
         self.failures = []
@@ -111,7 +109,7 @@ class LiveServer:
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
+        self.server = DrainingServer(self.app, cfg)
         self._thread = None
 
     def start(self, wait: bool = True) -> "LiveServer":
@@ -165,7 +163,8 @@ def serve_tiny(tiny_model_dir, tiny_bank, tiny_bank_file):
 
     def start(**overrides) -> LiveServer:
         fields = dict(model=str(tiny_model_dir), bank=str(tiny_bank_file), api_key=TEST_API_KEY, max_batch=4,
-                      max_queue=8, max_tokens_limit=200, max_model_len=256, dtype="float32")  # as the references
+                      max_queue=8, max_tokens_limit=200, max_model_len=256, dtype="float32",
+                      log_level="warning")  # as the references
         server = LiveServer(ServeConfig(**{**fields, **overrides}), tiny_bank).start()
         servers.append(server)
         return server

@@ -1,0 +1,231 @@
+"""The scheduler and the engine's failure isolation, without a model: a fake runner whose "model"
+is a pure function of the tokens written into each cache slot, so a chunk run at the wrong
+position, in the wrong slot or twice changes the output."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from server import engine as engine_module
+from server.engine import LLMEngine, RequestFailed
+from server.request import Request
+from server.sampling import SamplingParams
+from server.scheduler import Scheduler
+
+VOCAB = 49152  # the real tokenizer's, so the engine can detokenise
+BLOCKS = 8
+
+
+class FakeRunner:
+    def __init__(self, slots: int = 4, max_len: int = 512):
+        self.cache = SimpleNamespace(slots=slots)
+        self.max_len, self.num_blocks, self.device = max_len, BLOCKS, "cpu"
+        self.config = SimpleNamespace(eos_token_id=2)
+        self.kv: dict[int, list[int]] = {}
+        self.calls: list[dict] = []
+        self.poison: set[int] = set()  # a chunk holding one of these tokens raises
+        self.nan: set[int] = set()  # ... gives non-finite logits for its row
+
+    def extend(self, chunks, starts, masks, slots):
+        self.calls.append({"lengths": [len(c) for c in chunks], "starts": list(starts), "slots": list(slots)})
+        if any(t in self.poison for c in chunks for t in c):
+            raise RuntimeError("poisoned token")
+        logits = torch.zeros(len(chunks), VOCAB)
+        for i, (chunk, start, slot) in enumerate(zip(chunks, starts, slots)):
+            cached = self.kv.setdefault(slot, [])
+            assert start <= len(cached), "a chunk must continue what its slot holds"
+            self.kv[slot] = cached[:start] + list(chunk)
+            seq = self.kv[slot]
+            nxt = 100 + (sum((j + 1) * t for j, t in enumerate(seq)) % 1000)  # depends on every token and position
+            logits[i, nxt] = 10.0
+            if any(t in self.nan for t in chunk):
+                logits[i, 0] = float("nan")
+        return logits
+
+    def prefill(self, prompts, masks, slots):
+        return self.extend(prompts, [0] * len(prompts), masks, slots)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return tiny.tokenizer
+
+
+def make(n_prompt: int, max_tokens: int = 6, first: int = 1000, **params) -> Request:
+    ids = [first + i for i in range(n_prompt)]
+    return Request(ids, torch.ones(BLOCKS, dtype=torch.bool), SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                            **params))
+
+
+def alone(tokenizer, req: Request) -> list[int]:
+    eng = LLMEngine(FakeRunner(), tokenizer)
+    return eng.generate([make(len(req.prompt_ids), req.params.max_tokens, req.prompt_ids[0])])[0].output_ids
+
+
+def test_budget_is_kept_and_long_prompts_are_chunked(tokenizer):
+    runner = FakeRunner(slots=4)
+    eng = LLMEngine(runner, tokenizer, max_num_batched_tokens=16)
+    reqs = [make(5, first=1000), make(40, first=2000), make(3, first=3000), make(33, first=4000)]
+    eng.generate(reqs)
+    # per step: the decode call and the prefill call together stay within 16 (prefill padded)
+    steps, i = [], 0
+    while i < len(runner.calls):
+        call = runner.calls[i]
+        if set(call["lengths"]) == {1} and i + 1 < len(runner.calls) and max(runner.calls[i + 1]["lengths"]) > 1:
+            steps.append(len(call["lengths"]) + len(runner.calls[i + 1]["lengths"]) * max(runner.calls[i + 1]["lengths"]))
+            i += 2
+        else:
+            steps.append(len(call["lengths"]) * max(call["lengths"]))
+            i += 1
+    assert max(steps) <= 16
+    assert max(max(c["lengths"]) for c in runner.calls) < 40  # the 40-token prompt went in chunks
+    for req in reqs:
+        assert req.output_ids == alone(tokenizer, req) and req.finish_reason == "length"
+
+
+def test_running_streams_decode_in_every_step_while_a_long_prompt_prefills(tokenizer):
+    runner = FakeRunner(slots=4)
+    eng = LLMEngine(runner, tokenizer, max_num_batched_tokens=8)
+    streams = [make(3, max_tokens=60, first=1000), make(3, max_tokens=60, first=1100)]
+    for r in streams:
+        eng.add(r)
+    eng.step()  # both prefilled
+    long = make(100, first=5000)
+    eng.add(long)
+    before = [len(r.output_ids) for r in streams]
+    steps = 0
+    while long.prefilling or not long.output_ids:
+        eng.step()
+        steps += 1
+        assert [len(r.output_ids) for r in streams] == [b + steps for b in before]  # one token per step each
+    assert steps >= 100 // 6  # 8 tokens a step minus the 2 decode rows
+    eng.generate([])
+    assert long.output_ids == alone(tokenizer, long)
+
+
+def test_decode_rows_run_in_slot_order(tokenizer):
+    runner = FakeRunner(slots=4)
+    eng = LLMEngine(runner, tokenizer)
+    reqs = [make(3, max_tokens=m, first=1000 + 10 * m) for m in (2, 9, 9, 9)]
+    eng.generate(reqs[:3])
+    eng.add(reqs[3])  # takes the lowest free slot
+    eng.generate([])
+    decode_slots = [c["slots"] for c in runner.calls if set(c["lengths"]) == {1}]
+    assert all(s == sorted(s) for s in decode_slots)
+
+
+def test_scheduler_admits_only_into_free_slots():
+    sched = Scheduler(num_slots=2, max_num_batched_tokens=64)
+    reqs = [make(4), make(4), make(4)]
+    for r in reqs:
+        sched.add(r)
+    first = sched.schedule()
+    assert first.admitted == reqs[:2] and [r.slot for r in reqs[:2]] == [0, 1] and list(sched.waiting) == reqs[2:]
+    sched.remove(reqs[0])
+    for c in first.prefill:
+        c.request.num_computed = c.start + c.length
+    second = sched.schedule()
+    assert second.admitted == [reqs[2]] and reqs[2].slot == 0 and second.decode == [reqs[1]]
+    with pytest.raises(ValueError, match="at least the number of slots"):
+        Scheduler(num_slots=4, max_num_batched_tokens=3)
+
+
+def test_requests_compare_by_identity(tokenizer):
+    """Two requests with the same prompt are two requests: aborting one never touches the other
+    (a default dataclass __eq__ compared their mask tensors and raised)."""
+    eng = LLMEngine(FakeRunner(), tokenizer)
+    a = make(4, max_tokens=8)
+    b = make(4, max_tokens=8)
+    b.mask = torch.tensor([True, False] * (BLOCKS // 2))
+    eng.add(a)
+    eng.add(b)
+    eng.step()
+    eng.abort(b)
+    assert eng.running == [a]
+    eng.generate([])
+    assert a.finish_reason == "length" and b.finish_reason == "abort"
+
+
+def test_a_forward_that_fails_fails_only_its_request(tokenizer):
+    runner = FakeRunner()
+    runner.poison = {7777}
+    eng = LLMEngine(runner, tokenizer)
+    good = [make(4, first=1000), make(4, first=2000)]
+    bad = Request([7777, 1, 2], torch.ones(BLOCKS, dtype=torch.bool), SamplingParams(max_tokens=4, temperature=0))
+    eng.generate([good[0], bad, good[1]])
+    assert bad.finish_reason == "error" and isinstance(bad.error, RequestFailed) and "forward" in str(bad.error)
+    for r in good:
+        assert r.finish_reason == "length" and r.output_ids == alone(tokenizer, r)
+    assert not eng.running and len(eng.scheduler.free_slots) == 4
+
+
+def test_non_finite_logits_fail_only_their_row(tokenizer):
+    runner = FakeRunner()
+    runner.nan = {8888}
+    eng = LLMEngine(runner, tokenizer)
+    good = make(4, first=1000)
+    bad = Request([8888, 1], torch.ones(BLOCKS, dtype=torch.bool), SamplingParams(max_tokens=4, temperature=0))
+    eng.generate([bad, good])
+    assert bad.finish_reason == "error" and "non-finite" in str(bad.error)
+    assert good.output_ids == alone(tokenizer, good)
+
+
+def test_sampling_and_detokenising_failures_fail_only_their_row(tokenizer, monkeypatch):
+    real_sample = engine_module.sample
+
+    def sample(logits, params, generators):
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("sampler bug")
+        return real_sample(logits, params, generators)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    eng = LLMEngine(FakeRunner(), tokenizer)
+    good = make(4, first=1000)
+    bad_sample = make(4, first=2000, seed=666)
+    bad_text = make(4, first=3000)
+    eng.add(bad_text)
+    bad_text.detokenizer.add = lambda tok: 1 / 0
+    eng.generate([good, bad_sample])
+    assert bad_sample.finish_reason == "error" and "sampling" in str(bad_sample.error)
+    assert bad_text.finish_reason == "error" and "detokenising" in str(bad_text.error)
+    assert good.output_ids == alone(tokenizer, good)
+
+
+def test_a_routing_failure_fails_only_the_requests_being_routed(tokenizer):
+    class BrokenRouter:
+        masks = {}
+
+        def route(self, texts):
+            raise RuntimeError("encoder exploded")
+
+    eng = LLMEngine(FakeRunner(), tokenizer, router=BrokenRouter())
+    forced = make(4, max_tokens=5)
+    eng.add(forced)
+    eng.step()
+    routed = Request([5, 6], None, SamplingParams(max_tokens=3), mask_id=None, routing_text="hello")
+    eng.add(routed)
+    eng.generate([])
+    assert routed.finish_reason == "error" and "routing" in str(routed.error)
+    assert forced.finish_reason == "length" and len(forced.output_ids) == 5
+
+
+def test_chunked_prefill_on_a_real_runner_equals_one_shot(tiny):
+    """The tiny Llama: prompts prefilled in 5-token chunks beside decoding rows, under different
+    masks, give the same greedy tokens as each prefilled at once."""
+    from server.runner import BlockRunner
+
+    masks = [torch.ones(BLOCKS, dtype=torch.bool), torch.tensor([True, False] * 4), torch.tensor([False, True] * 4)]
+
+    def run(budget: int) -> list[list[int]]:
+        runner = BlockRunner(tiny.model, max_slots=3, max_len=256)
+        eng = LLMEngine(runner, tiny.tokenizer, max_num_batched_tokens=budget)
+        reqs = [Request([1000 + 7 * i + j for j in range(n)], mask, SamplingParams(max_tokens=8, temperature=0,
+                                                                                   ignore_eos=True))
+                for i, (n, mask) in enumerate(zip((23, 4, 31), masks))]
+        eng.generate(reqs)
+        return [r.output_ids for r in reqs]
+
+    assert run(budget=5) == run(budget=256)
