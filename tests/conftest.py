@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -186,3 +190,46 @@ def metric_value(families: dict, sample_name: str, **labels) -> float:
     if family is None:
         return 0.0
     return sum(s.value for s in family.samples if s.name == sample_name and labels.items() <= s.labels.items())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process(model_dir, bank, *args: str) -> tuple[subprocess.Popen, str]:
+    """`igserve serve` in a subprocess on a free loopback port; returned once /health is 200."""
+    proc, base = spawn_process(model_dir, bank, *args)
+    wait_process(proc, base)
+    return proc, base
+
+
+def spawn_process(model_dir, bank, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--bank", str(bank),
+           "--port", str(port), "--max-model-len", "256", "--dtype", "float32", "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_process(proc: subprocess.Popen, base: str) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{base} not healthy after 120 s"
+        time.sleep(0.2)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()

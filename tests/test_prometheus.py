@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+from contextlib import contextmanager
 import shutil
 import socket
 import subprocess
@@ -71,12 +72,12 @@ class Prometheus:
         return self.http.get("/api/v1/targets").json()["data"]["activeTargets"]
 
 
-def prometheus_config(server_hostport: str) -> dict:
-    """deploy/prometheus.yml's igserve job, scraping the test server every second."""
+def prometheus_config(*server_hostports: str) -> dict:
+    """deploy/prometheus.yml's igserve job, scraping the test servers every second."""
     deploy = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     job = copy.deepcopy(next(j for j in deploy["scrape_configs"] if j["job_name"] == "igserve"))
     job.pop("dns_sd_configs", None)  # compose service names; nothing to resolve here
-    job["static_configs"] = [{"targets": [server_hostport]}]
+    job["static_configs"] = [{"targets": list(server_hostports)}]
     job["scrape_interval"] = "1s"
     job["scrape_timeout"] = "1s"
     return {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": [job]}
@@ -84,9 +85,16 @@ def prometheus_config(server_hostport: str) -> dict:
 
 @pytest.fixture
 def prometheus(tmp_path, live_server):
-    hostport = urlsplit(live_server.base_url).netloc
+    with run_prometheus(tmp_path, urlsplit(live_server.base_url).netloc) as prom:
+        yield prom
+
+
+@contextmanager
+def run_prometheus(tmp_path: Path, *hostports: str):
+    """A real Prometheus scraping ``hostports`` every second, ready to query."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(prometheus_config(hostport)))
+    config.write_text(yaml.safe_dump(prometheus_config(*hostports)))
     port = _free_port()
     log = tmp_path / "prometheus.log"
     with open(log, "wb") as out:

@@ -4,11 +4,7 @@ that used to give 500s, body limits, engine death and the drain timeout."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import TEST_API_KEY
+from tests.conftest import TEST_API_KEY, start_process, stop_process
 from tests.test_api import LONG, mask_body, run_alone
 
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
@@ -74,38 +70,6 @@ def _rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_process(tiny_model_dir, bank, *args: str) -> tuple[subprocess.Popen, str]:
-    """`igserve serve` in a subprocess on a free port; returns it once /health is 200."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), "--bank", str(bank),
-           "--port", str(port), "--max-model-len", "256", "--dtype", "float32", "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
 
 
 def test_a_huge_body_is_413_and_stalls_nothing(tiny_model_dir, tiny_bank_file, model):
