@@ -34,8 +34,10 @@ class ServeConfig:
     max_queue: int = _opt(64, "waiting requests before 429")
     max_tokens_limit: int = _opt(1024, "largest max_tokens a request may ask for")
     max_model_len: int = _opt(2048, "context length (prompt + output) the KV cache is sized for")
-    max_num_batched_tokens: int = _opt(256, "tokens per engine step: one per decoding request, the rest for "
-                                            "prefill chunks (long prompts are prefilled over several steps)")
+    max_num_batched_tokens: int | None = _opt(None, "tokens per engine step while requests are decoding: one per "
+                                                    "decoding request, the rest for prefill chunks (long prompts "
+                                                    "are prefilled over several steps); default: measured at "
+                                                    "start-up, as many prefill tokens as one decode step takes")
     max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body; larger bodies get 413")
     drain_timeout: float = _opt(30.0, "seconds in-flight requests may take to finish on SIGTERM; then they end "
                                       "with an error and the process exits")

@@ -55,7 +55,8 @@ class LLMEngine:
         self._backend = backend(tokenizer)
         self.router = router
         self.max_batch = min(max_batch or runner.cache.slots, runner.cache.slots)
-        self.scheduler = Scheduler(self.max_batch, max_num_batched_tokens or runner.max_len)
+        self._measure_budget = max_num_batched_tokens is None  # at warm-up, on the serving thread
+        self.scheduler = Scheduler(self.max_batch, max_num_batched_tokens or runner.max_len, runner.max_len)
         eos = runner.config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos]) - {None}
         if tokenizer.eos_token_id is not None:
@@ -78,6 +79,32 @@ class LLMEngine:
             self.router.warm_up()
         dense = torch.ones(1, self.runner.num_blocks, dtype=torch.bool)
         self.runner.prefill([[0] * 8], dense, [self.scheduler.free_slots[0]])  # a free slot: nothing to overwrite
+        if self._measure_budget:
+            self.scheduler.set_budget(self.measure_budget())
+
+    def measure_budget(self, chunk: int = 64, repeats: int = 3) -> int:
+        """Tokens per step such that a step's prefill chunk takes about as long as decoding a full
+        batch: then a step that prefills beside decoding is at most about twice a plain decode step."""
+        n = self.max_batch
+        dense = torch.ones(n, self.runner.num_blocks, dtype=torch.bool)
+        slots = list(range(n))  # all free at warm-up
+
+        def timed(fn) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return sorted(times)[len(times) // 2]
+
+        self.runner.prefill([[0] * chunk], dense[:1], slots[:1])
+        per_token = timed(lambda: self.runner.extend([[0] * chunk], [0], dense[:1], slots[:1])) / chunk
+        decode = timed(lambda: self.runner.decode([0] * n, [chunk] * n, dense, slots))
+        budget = max(n + 16, n + int(decode / per_token))
+        log.info("token budget %d per step (decode of %d rows %.1f ms, prefill %.2f ms/token)", budget, n,
+                 decode * 1000, per_token * 1000)
+        return budget
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:

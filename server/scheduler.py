@@ -3,7 +3,8 @@
 Every running request that is decoding gets its one token first; what is left of
 ``max_num_batched_tokens`` goes to prefill chunks: first the prompts already being prefilled,
 then new admissions while cache slots are free. A long prompt is prefilled in chunks over
-several steps, so it never stalls the streams already running for longer than one chunk.
+several steps, so it never stalls the streams already running for longer than one chunk. While
+nothing is decoding there is no stream to stall, and a step may prefill up to ``idle_budget``.
 Prefill rows of one step are right-padded to the longest chunk, so the budget counts padded
 tokens. The scheduler knows nothing of models: it returns a plain ``Schedule`` that maps onto
 the runner's calls, and is tested with a fake runner.
@@ -44,15 +45,19 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_num_batched_tokens: int):
-        if max_num_batched_tokens < num_slots:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least the number of "
-                             f"slots ({num_slots}), so that every running request can decode in each step")
+    def __init__(self, num_slots: int, max_num_batched_tokens: int, idle_budget: int | None = None):
         self.num_slots = num_slots
-        self.budget = max_num_batched_tokens
+        self.set_budget(max_num_batched_tokens)
+        self.idle_budget = max(idle_budget or 0, max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in slot order
         self.free_slots = list(range(num_slots))
+
+    def set_budget(self, max_num_batched_tokens: int) -> None:
+        if max_num_batched_tokens < self.num_slots:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least the number of "
+                             f"slots ({self.num_slots}), so that every running request can decode in each step")
+        self.budget = max_num_batched_tokens
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -75,7 +80,7 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         out = Schedule(decode=[r for r in self.running if not r.prefilling])
-        budget = self.budget - len(out.decode)
+        budget = self.budget - len(out.decode) if out.decode else max(self.budget, self.idle_budget)
         for req in self.running:  # prompts part-way through their prefill
             if req.prefilling and not self._add_chunk(out, req, budget):
                 return out

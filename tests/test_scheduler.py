@@ -68,6 +68,7 @@ def alone(tokenizer, req: Request) -> list[int]:
 def test_budget_is_kept_and_long_prompts_are_chunked(tokenizer):
     runner = FakeRunner(slots=4)
     eng = LLMEngine(runner, tokenizer, max_num_batched_tokens=16)
+    eng.scheduler.idle_budget = 16  # the budget holds even when nothing decodes
     reqs = [make(5, first=1000), make(40, first=2000), make(3, first=3000), make(33, first=4000)]
     eng.generate(reqs)
     # per step: the decode call and the prefill call together stay within 16 (prefill padded)
@@ -104,6 +105,25 @@ def test_running_streams_decode_in_every_step_while_a_long_prompt_prefills(token
     assert steps >= 100 // 6  # 8 tokens a step minus the 2 decode rows
     eng.generate([])
     assert long.output_ids == alone(tokenizer, long)
+
+
+def test_with_nothing_decoding_a_long_prompt_goes_in_one_step(tokenizer):
+    runner = FakeRunner(slots=2)
+    eng = LLMEngine(runner, tokenizer, max_num_batched_tokens=8)
+    eng.add(make(100))
+    eng.step()
+    assert runner.calls[0]["lengths"] == [100]
+
+
+def test_the_measured_budget_fits_a_chunk_in_one_decode_step(tiny):
+    from server.runner import BlockRunner
+
+    eng = LLMEngine(BlockRunner(tiny.model, max_slots=4, max_len=256), tiny.tokenizer)
+    assert eng.scheduler.budget == 256  # offline: no budget unless asked
+    budget = eng.measure_budget()
+    assert 4 + 16 <= budget and eng.scheduler.budget == 256
+    eng.scheduler.set_budget(budget)
+    assert eng.generate([make(30, max_tokens=3)])[0].finish_reason == "length"
 
 
 def test_decode_rows_run_in_slot_order(tokenizer):
