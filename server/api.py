@@ -29,12 +29,11 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.router import chat_routing_text
 from server import config, protocol
 from server.config import ServeConfig
-from server.errors import APIError, install
+from server.errors import install
 from server.metrics import REGISTRY
-from server.serving import COMPLETION_DEFAULT_MAX_TOKENS, BodyLimit, Service
+from server.serving import BodyLimit, Service
 
 __all__ = ["ServeConfig", "create_app", "add_arguments", "run"]
 
@@ -42,7 +41,8 @@ log = logging.getLogger("igserve.api")
 
 # Request bodies are parsed by the handlers (strict, OpenAI error objects), so their schemas are
 # declared here for /openapi.json rather than inferred from the signatures.
-BODIES = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest}
+BODIES = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest,
+          "/tokenize": protocol.TokenizeRequest, "/detokenize": protocol.DetokenizeRequest}
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -83,38 +83,26 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
     @v1.get("/models")
     async def list_models():
         served = service.ready()
-        return protocol.ModelList(data=[protocol.ModelCard(id=served.name, max_model_len=served.context)])
+        return protocol.ModelList(data=[protocol.ModelCard(id=served.name, max_model_len=served.context,
+                                                           masks=list(served.masks))])
 
     @v1.post("/completions")
     async def completions(http: Request):
-        arrival, served, body = await service.accept(http, protocol.CompletionRequest)
-        prompt = body.prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):  # token ids
-            if any(not 0 <= t < served.vocab_size for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {served.vocab_size})", param="prompt")
-            ids, text = list(prompt), served.tokenizer.decode(prompt)
-        else:
-            text = prompt[0] if isinstance(prompt, list) else prompt
-            ids = await service.tokenize(served, text, "prompt")
-        max_tokens = service.max_tokens(served, body, len(ids), "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
-        return await service.generate(http, served, body, ids, text, max_tokens, arrival, chat=False)
+        return await service.completion(http)
 
     @v1.post("/chat/completions")
     async def chat_completions(http: Request):
-        arrival, served, body = await service.accept(http, protocol.ChatCompletionRequest)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-        try:
-            text = await service.off_loop(lambda: served.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False))
-        except Exception as exc:  # template errors (e.g. role order) are the client's to fix
-            raise APIError(400, f"messages do not fit the model's chat template: {exc}", param="messages") from None
-        ids = await service.tokenize(served, text, "messages", add_special_tokens=False)
-        max_tokens = service.max_tokens(served, body, len(ids), "messages", cfg.max_tokens_limit)
-        return await service.generate(http, served, body, ids, chat_routing_text(messages), max_tokens, arrival,
-                                      chat=True)
+        return await service.chat(http)
 
     app.include_router(v1)
+
+    @app.post("/tokenize", dependencies=[Depends(service.authorize)])
+    async def tokenize(http: Request):
+        return await service.tokenize_request(http)
+
+    @app.post("/detokenize", dependencies=[Depends(service.authorize)])
+    async def detokenize(http: Request):
+        return await service.detokenize_request(http)
 
     @app.get("/health")
     async def health():

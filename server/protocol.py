@@ -206,8 +206,40 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "igserve"
     max_model_len: int
+    masks: list[str] = []  # mask ids a request may force with igserve.mask (besides "auto")
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------- /tokenize, /detokenize (vLLM's)
+class TokenizeRequest(_Strict):
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompts only; chat templates place their own
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_request", "give exactly one of prompt and messages",
+                                      {"param": "prompt"})
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    model: str
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

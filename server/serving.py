@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from masks.bank import BankError, DENSE
 from router.encoder import EncoderError
+from router.router import chat_routing_text
 from server import models, protocol
 from server.async_engine import AsyncEngine, EngineClosed, QueueFull
 from server.config import ServeConfig
@@ -141,6 +142,58 @@ class Service:
                            code="context_length_exceeded")
         encode = served.tokenizer
         return (await self.off_loop(lambda: encode(text, add_special_tokens=add_special_tokens)))["input_ids"]
+
+    async def prompt_of(self, served: Served, body: protocol.CompletionRequest) -> tuple[list[int], str]:
+        """Token ids and routing text of a completion prompt (text or token ids)."""
+        prompt = body.prompt
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):  # token ids
+            self.check_token_ids(served, prompt, "prompt")
+            return list(prompt), served.tokenizer.decode(prompt)
+        text = prompt[0] if isinstance(prompt, list) else prompt
+        return await self.tokenize(served, text, "prompt"), text
+
+    async def chat_prompt(self, served: Served, messages: list[protocol.ChatMessage],
+                          add_generation_prompt: bool = True) -> tuple[list[int], list[dict]]:
+        """Token ids of chat messages rendered with the model's template, and the messages as dicts."""
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        try:
+            text = await self.off_loop(lambda: served.tokenizer.apply_chat_template(
+                turns, add_generation_prompt=add_generation_prompt, tokenize=False))
+        except Exception as exc:  # template errors (e.g. role order) are the client's to fix
+            raise APIError(400, f"messages do not fit the model's chat template: {exc}", param="messages") from None
+        return await self.tokenize(served, text, "messages", add_special_tokens=False), turns
+
+    @staticmethod
+    def check_token_ids(served: Served, ids: list[int], param: str) -> None:
+        if any(not 0 <= t < served.vocab_size for t in ids):
+            raise APIError(400, f"{param} token ids must be in [0, {served.vocab_size})", param=param)
+
+    # ------------------------------------------------------------------ endpoints
+    async def completion(self, http: Request):
+        arrival, served, body = await self.accept(http, protocol.CompletionRequest)
+        ids, text = await self.prompt_of(served, body)
+        max_tokens = self.max_tokens(served, body, len(ids), "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
+        return await self.generate(http, served, body, ids, text, max_tokens, arrival, chat=False)
+
+    async def chat(self, http: Request):
+        arrival, served, body = await self.accept(http, protocol.ChatCompletionRequest)
+        ids, turns = await self.chat_prompt(served, body.messages)
+        max_tokens = self.max_tokens(served, body, len(ids), "messages", self.cfg.max_tokens_limit)
+        return await self.generate(http, served, body, ids, chat_routing_text(turns), max_tokens, arrival, chat=True)
+
+    async def tokenize_request(self, http: Request) -> protocol.TokenizeResponse:
+        """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
+        _, served, body = await self.accept(http, protocol.TokenizeRequest)
+        if body.messages is not None:
+            ids, _ = await self.chat_prompt(served, body.messages, body.add_generation_prompt)
+        else:
+            ids = await self.tokenize(served, body.prompt, "prompt", body.add_special_tokens)
+        return protocol.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=served.context)
+
+    async def detokenize_request(self, http: Request) -> protocol.DetokenizeResponse:
+        _, served, body = await self.accept(http, protocol.DetokenizeRequest)
+        self.check_token_ids(served, body.tokens, "tokens")
+        return protocol.DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens))
 
     def max_tokens(self, served: Served, body: protocol.GenerationRequest, n_prompt: int, prompt_param: str,
                    default: int) -> int:

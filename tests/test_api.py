@@ -618,3 +618,22 @@ def test_bench_serve_reports_every_run(live_server, tmp_path):
         else:
             assert run["skip_ratio_mean"] == pytest.approx(0.25) and run["router_ms_p50"] > 0
     assert set(result["acceptance"]) >= {"router_ok", "ig_faster_ok", "scaling_ok"}
+
+
+def test_tokenize_and_detokenize_as_vllm(live_server, model, tiny, tiny_bank):
+    headers = {"Authorization": f"Bearer {TEST_API_KEY}"}
+    with httpx.Client(base_url=live_server.base_url, headers=headers) as http:
+        r = http.post("/tokenize", json={"model": model, "prompt": "Hello world"}).json()
+        assert r["tokens"] == tiny.tokenizer("Hello world")["input_ids"] and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] == 256
+        messages = [{"role": "user", "content": "hi"}]
+        r = http.post("/tokenize", json={"model": model, "messages": messages}).json()
+        assert r["tokens"] == chat_ids(tiny, messages)
+        assert http.post("/detokenize", json={"model": model, "tokens": r["tokens"]}).json()["prompt"] == \
+            tiny.tokenizer.decode(r["tokens"])
+        bad = http.post("/tokenize", json={"model": model, "prompt": "x", "messages": messages})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        assert http.post("/detokenize", json={"model": model, "tokens": [-1]}).json()["error"]["param"] == "tokens"
+        assert httpx.post(live_server.base_url + "/tokenize", json={"model": model, "prompt": "x"}).status_code == 401
+    card = live_server.client().models.list().data[0]
+    assert card.id == model and set(card.model_extra["masks"]) == set(tiny_bank.all_mask_ids())
