@@ -23,8 +23,11 @@ import sys
 from contextlib import asynccontextmanager
 from typing import Callable
 
+import swagger_ui_bundle
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.staticfiles import StaticFiles
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -73,7 +76,7 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
         loading.cancel()
         await service.close()
 
-    app = FastAPI(title="igserve", lifespan=lifespan, redoc_url=None)
+    app = FastAPI(title="igserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = lambda: _openapi(app)
     app.state.service = service
     install(app, service.count_error)
@@ -113,6 +116,16 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
                         masks=list(served.masks), engine_alive=served.engine.alive,
                         running=served.engine.num_running, waiting=served.engine.num_waiting)
         return JSONResponse(body, status_code=200 if service.healthy else 503)
+
+    # Swagger UI from the swagger-ui-bundle package: /docs works without internet access.
+    app.mount("/docs/static", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="igserve API",
+                                   swagger_js_url="/docs/static/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/static/swagger-ui.css",
+                                   swagger_favicon_url="/docs/static/favicon-32x32.png")
 
     @app.get("/metrics")
     async def metrics():

@@ -57,4 +57,6 @@ def test_the_schema_lists_every_route(live_server):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(paths)
     body = paths["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
-    assert httpx.get(live_server.base_url + "/docs").status_code == 200
+    docs = httpx.get(live_server.base_url + "/docs")
+    assert docs.status_code == 200 and "/docs/static/swagger-ui-bundle.js" in docs.text
+    assert httpx.get(live_server.base_url + "/docs/static/swagger-ui-bundle.js").status_code == 200  # no CDN
