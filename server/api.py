@@ -36,7 +36,7 @@ from server import config, protocol
 from server.config import ServeConfig
 from server.errors import install
 from server.metrics import REGISTRY
-from server.serving import BodyLimit, Service
+from server.serving import BodyLimit, OpenAIServing
 
 __all__ = ["ServeConfig", "create_app", "add_arguments", "run"]
 
@@ -67,7 +67,7 @@ def _openapi(app: FastAPI) -> dict:
 def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda message: None) -> FastAPI:
     """The ASGI app; ``on_fatal(message)`` is called when loading fails or the engine dies (``run``
     then stops uvicorn and exits non-zero)."""
-    service = Service(cfg, on_fatal)
+    service = OpenAIServing(cfg, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,9 +85,9 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
 
     @v1.get("/models")
     async def list_models():
-        served = service.ready()
-        return protocol.ModelList(data=[protocol.ModelCard(id=served.name, max_model_len=served.context,
-                                                           masks=list(served.masks))])
+        loaded = service.ready()
+        return protocol.ModelList(data=[protocol.ModelCard(id=loaded.name, max_model_len=loaded.context,
+                                                           masks=list(loaded.masks))])
 
     @v1.post("/completions")
     async def completions(http: Request):
@@ -109,12 +109,12 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
 
     @app.get("/health")
     async def health():
-        served = service.served
+        loaded = service.loaded
         body = {"status": service.status if service.status != "ok" or service.healthy else "failed"}
-        if served is not None:
-            body.update(model=served.name, dtype=served.dtype, routing="ig" if served.routing else "dense",
-                        masks=list(served.masks), engine_alive=served.engine.alive,
-                        running=served.engine.num_running, waiting=served.engine.num_waiting)
+        if loaded is not None:
+            body.update(model=loaded.name, dtype=loaded.dtype, routing="ig" if loaded.routing else "dense",
+                        masks=list(loaded.masks), engine_alive=loaded.engine.alive,
+                        running=loaded.engine.num_running, waiting=loaded.engine.num_waiting)
         return JSONResponse(body, status_code=200 if service.healthy else 503)
 
     # Swagger UI from the swagger-ui-bundle package: /docs works without internet access.
@@ -146,7 +146,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, app: FastAPI, cfg: ServeConfig):
         super().__init__(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                         access_log=False, timeout_graceful_shutdown=cfg.drain_timeout + 5))
-        self.service: Service = app.state.service
+        self.service: OpenAIServing = app.state.service
 
     async def shutdown(self, sockets=None):
         self.service.begin_drain()

@@ -1,4 +1,4 @@
-"""Loading for `igserve serve`: model, mask bank and router into a ready engine (``Served``).
+"""Loading for `igserve serve`: model, mask bank and router into a ready engine (``Loaded``).
 
 Loading blocks for seconds, so it runs on a thread of its own that ends with it: the OpenMP
 workers torch starts there end too, and the engine thread stays the only one with a team (see
@@ -39,7 +39,7 @@ class MaskChoice:
 
 
 @dataclass
-class Served:
+class Loaded:
     """Everything a request needs once loading is done."""
 
     name: str
@@ -70,7 +70,7 @@ def _mask_tensors(bank: MaskBank | None, router: Router | None, num_blocks: int)
     return {i: router.masks[i] if i in router.masks else bank.mask(i) for i in bank.all_mask_ids()}
 
 
-def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda message: None) -> Served:
+def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda message: None) -> Loaded:
     """Load model, bank and encoder, and build the engine (blocking; raises ModelLoadError,
     BankError or EncoderError with a message for the operator)."""
     from transformers.utils import logging as hf_logging
@@ -98,7 +98,7 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
     engine = LLMEngine(runner, lm.tokenizer, cfg.max_batch, router, cfg.max_num_batched_tokens)
     max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
-    return Served(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
+    return Loaded(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
                   router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name)
 
 

@@ -25,7 +25,7 @@ from server import models, protocol
 from server.async_engine import AsyncEngine, EngineClosed, QueueFull
 from server.config import ServeConfig
 from server.errors import APIError, from_validation
-from server.loading import Served, in_own_thread, load_served
+from server.loading import Loaded, in_own_thread, load_served
 from server.metrics import count_error
 from server.request import Request as EngineRequest
 from server.sampling import SamplingParams
@@ -37,13 +37,13 @@ RETRY_AFTER_UNAVAILABLE_S = 5
 log = logging.getLogger("igserve.serving")
 
 
-class Service:
-    """The serving state of one process; ``served`` is None until loading is done."""
+class OpenAIServing:
+    """The serving state of one process; ``loaded`` is None until loading is done."""
 
     def __init__(self, cfg: ServeConfig, on_fatal: Callable[[str], None]):
         self.cfg = cfg
         self.on_fatal = on_fatal
-        self.served: Served | None = None
+        self.loaded: Loaded | None = None
         self.status = "loading"
         self._closing: asyncio.Future | None = None
         # Tokenising and chat templates: CPU work kept off the event loop (no torch, so no OpenMP team).
@@ -51,17 +51,17 @@ class Service:
 
     async def load(self) -> None:
         try:
-            served = await in_own_thread(load_served, self.cfg, self._engine_died)
+            loaded = await in_own_thread(load_served, self.cfg, self._engine_died)
         except (models.ModelLoadError, BankError, EncoderError) as exc:
             message = str(exc)
         except Exception as exc:  # anything else: reported the same way, with a traceback
             log.exception("loading failed")
             message = f"{type(exc).__name__}: {exc}"
         else:
-            served.engine.start()
-            self.served, self.status = served, "ok"
-            log.info("serving %s (context %d, %d masks, %s)", served.name, served.context, len(served.masks),
-                     "input-guided routing" if served.routing else "dense")
+            loaded.engine.start()
+            self.loaded, self.status = loaded, "ok"
+            log.info("serving %s (context %d, %d masks, %s)", loaded.name, loaded.context, len(loaded.masks),
+                     "input-guided routing" if loaded.routing else "dense")
             return
         self.status = "failed"
         log.error("%s", message)
@@ -74,9 +74,9 @@ class Service:
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests; the ones in flight go on."""
-        if self.served is not None and self.status == "ok":
+        if self.loaded is not None and self.status == "ok":
             self.status = "draining"
-            self.served.engine.close()
+            self.loaded.engine.close()
 
     def close(self) -> asyncio.Future:
         """Drain and stop the engine (once; later calls await the same drain)."""
@@ -85,16 +85,16 @@ class Service:
         return self._closing
 
     async def _close(self) -> None:
-        if self.served is not None:
+        if self.loaded is not None:
             if self.status == "ok":
                 self.status = "draining"
-            cut = await self.served.engine.shutdown(self.cfg.drain_timeout)
-            self.served.metrics.drain_cut(cut)
+            cut = await self.loaded.engine.shutdown(self.cfg.drain_timeout)
+            self.loaded.metrics.drain_cut(cut)
         self._prep.shutdown(wait=False)
 
     @property
     def healthy(self) -> bool:
-        return self.status == "ok" and self.served is not None and self.served.engine.alive
+        return self.status == "ok" and self.loaded is not None and self.loaded.engine.alive
 
     def count_error(self, error_type: str) -> None:
         count_error(models.served_name(self.cfg.model), error_type)
@@ -110,94 +110,94 @@ class Service:
         if not hmac.compare_digest(given.strip().encode(), key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
-    def ready(self) -> Served:
-        if self.served is None or not self.healthy:
+    def ready(self) -> Loaded:
+        if self.loaded is None or not self.healthy:
             status = self.status if self.status != "ok" else "failed"
             raise APIError(503, f"server is {status}", code="unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
-        return self.served
+        return self.loaded
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
 
-    async def accept(self, http: Request, kind: type[BaseModel]) -> tuple[float, Served, BaseModel]:
+    async def accept(self, http: Request, kind: type[BaseModel]) -> tuple[float, Loaded, BaseModel]:
         """Arrival time, the loaded model and the validated body of a generation request."""
         arrival = time.monotonic()
-        served = self.ready()
+        loaded = self.ready()
         raw = await http.body()
         try:
             body = await self.off_loop(kind.model_validate_json, raw)
         except ValidationError as exc:
             raise from_validation(exc) from None
-        if body.model != served.name:
-            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{served.name}'",
+        if body.model != loaded.name:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{loaded.name}'",
                            param="model", code="model_not_found")
-        return arrival, served, body
+        return arrival, loaded, body
 
-    async def tokenize(self, served: Served, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, loaded: Loaded, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt text; one too long to fit is refused before it is tokenised."""
-        if len(text) > served.context * served.max_token_chars:
-            raise APIError(400, f"this model's maximum context length is {served.context} tokens, but the prompt "
+        if len(text) > loaded.context * loaded.max_token_chars:
+            raise APIError(400, f"this model's maximum context length is {loaded.context} tokens, but the prompt "
                                 f"has {len(text)} characters, more than that many tokens can hold", param=param,
                            code="context_length_exceeded")
-        encode = served.tokenizer
+        encode = loaded.tokenizer
         return (await self.off_loop(lambda: encode(text, add_special_tokens=add_special_tokens)))["input_ids"]
 
-    async def prompt_of(self, served: Served, body: protocol.CompletionRequest) -> tuple[list[int], str]:
+    async def prompt_of(self, loaded: Loaded, body: protocol.CompletionRequest) -> tuple[list[int], str]:
         """Token ids and routing text of a completion prompt (text or token ids)."""
         prompt = body.prompt
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):  # token ids
-            self.check_token_ids(served, prompt, "prompt")
-            return list(prompt), served.tokenizer.decode(prompt)
+            self.check_token_ids(loaded, prompt, "prompt")
+            return list(prompt), loaded.tokenizer.decode(prompt)
         text = prompt[0] if isinstance(prompt, list) else prompt
-        return await self.tokenize(served, text, "prompt"), text
+        return await self.tokenize(loaded, text, "prompt"), text
 
-    async def chat_prompt(self, served: Served, messages: list[protocol.ChatMessage],
+    async def chat_prompt(self, loaded: Loaded, messages: list[protocol.ChatMessage],
                           add_generation_prompt: bool = True) -> tuple[list[int], list[dict]]:
         """Token ids of chat messages rendered with the model's template, and the messages as dicts."""
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         try:
-            text = await self.off_loop(lambda: served.tokenizer.apply_chat_template(
+            text = await self.off_loop(lambda: loaded.tokenizer.apply_chat_template(
                 turns, add_generation_prompt=add_generation_prompt, tokenize=False))
         except Exception as exc:  # template errors (e.g. role order) are the client's to fix
             raise APIError(400, f"messages do not fit the model's chat template: {exc}", param="messages") from None
-        return await self.tokenize(served, text, "messages", add_special_tokens=False), turns
+        return await self.tokenize(loaded, text, "messages", add_special_tokens=False), turns
 
     @staticmethod
-    def check_token_ids(served: Served, ids: list[int], param: str) -> None:
-        if any(not 0 <= t < served.vocab_size for t in ids):
-            raise APIError(400, f"{param} token ids must be in [0, {served.vocab_size})", param=param)
+    def check_token_ids(loaded: Loaded, ids: list[int], param: str) -> None:
+        if any(not 0 <= t < loaded.vocab_size for t in ids):
+            raise APIError(400, f"{param} token ids must be in [0, {loaded.vocab_size})", param=param)
 
     # ------------------------------------------------------------------ endpoints
     async def completion(self, http: Request):
-        arrival, served, body = await self.accept(http, protocol.CompletionRequest)
-        ids, text = await self.prompt_of(served, body)
-        max_tokens = self.max_tokens(served, body, len(ids), "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
-        return await self.generate(http, served, body, ids, text, max_tokens, arrival, chat=False)
+        arrival, loaded, body = await self.accept(http, protocol.CompletionRequest)
+        ids, text = await self.prompt_of(loaded, body)
+        max_tokens = self.max_tokens(loaded, body, len(ids), "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
+        return await self.generate(http, loaded, body, ids, text, max_tokens, arrival, chat=False)
 
     async def chat(self, http: Request):
-        arrival, served, body = await self.accept(http, protocol.ChatCompletionRequest)
-        ids, turns = await self.chat_prompt(served, body.messages)
-        max_tokens = self.max_tokens(served, body, len(ids), "messages", self.cfg.max_tokens_limit)
-        return await self.generate(http, served, body, ids, chat_routing_text(turns), max_tokens, arrival, chat=True)
+        arrival, loaded, body = await self.accept(http, protocol.ChatCompletionRequest)
+        ids, turns = await self.chat_prompt(loaded, body.messages)
+        max_tokens = self.max_tokens(loaded, body, len(ids), "messages", self.cfg.max_tokens_limit)
+        return await self.generate(http, loaded, body, ids, chat_routing_text(turns), max_tokens, arrival, chat=True)
 
     async def tokenize_request(self, http: Request) -> protocol.TokenizeResponse:
         """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
-        _, served, body = await self.accept(http, protocol.TokenizeRequest)
+        _, loaded, body = await self.accept(http, protocol.TokenizeRequest)
         if body.messages is not None:
-            ids, _ = await self.chat_prompt(served, body.messages, body.add_generation_prompt)
+            ids, _ = await self.chat_prompt(loaded, body.messages, body.add_generation_prompt)
         else:
-            ids = await self.tokenize(served, body.prompt, "prompt", body.add_special_tokens)
-        return protocol.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=served.context)
+            ids = await self.tokenize(loaded, body.prompt, "prompt", body.add_special_tokens)
+        return protocol.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=loaded.context)
 
     async def detokenize_request(self, http: Request) -> protocol.DetokenizeResponse:
-        _, served, body = await self.accept(http, protocol.DetokenizeRequest)
-        self.check_token_ids(served, body.tokens, "tokens")
-        return protocol.DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens))
+        _, loaded, body = await self.accept(http, protocol.DetokenizeRequest)
+        self.check_token_ids(loaded, body.tokens, "tokens")
+        return protocol.DetokenizeResponse(prompt=loaded.tokenizer.decode(body.tokens))
 
-    def max_tokens(self, served: Served, body: protocol.GenerationRequest, n_prompt: int, prompt_param: str,
+    def max_tokens(self, loaded: Loaded, body: protocol.GenerationRequest, n_prompt: int, prompt_param: str,
                    default: int) -> int:
-        ctx, limit = served.context, self.cfg.max_tokens_limit
+        ctx, limit = loaded.context, self.cfg.max_tokens_limit
         if n_prompt == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param)
         if n_prompt >= ctx:
@@ -216,29 +216,30 @@ class Service:
         return requested
 
     @staticmethod
-    def choose_mask(served: Served, choice: str) -> str | None:
+    def choose_mask(loaded: Loaded, choice: str) -> str | None:
         """The mask id a request asks for; None: the engine routes it on its input."""
         if choice == "auto":
-            return None if served.routing else DENSE
-        if choice not in served.masks:
-            valid = ", ".join(["auto", *served.masks])
+            return None if loaded.routing else DENSE
+        if choice not in loaded.masks:
+            valid = ", ".join(["auto", *loaded.masks])
             raise APIError(400, f"unknown mask '{choice}'; valid: {valid}", param="igserve.mask", code="unknown_mask")
         return choice
 
-    async def generate(self, http: Request, served: Served, body: protocol.GenerationRequest,
+    async def generate(self, http: Request, loaded: Loaded, body: protocol.GenerationRequest,
                        prompt_ids: list[int], routing_text: str, max_tokens: int, arrival: float, chat: bool):
-        mask_id = self.choose_mask(served, body.igserve.mask)
+        mask_id = self.choose_mask(loaded, body.igserve.mask)
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                 seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
-        mask = None if mask_id is None else served.masks[mask_id].mask
-        req = EngineRequest(prompt_ids, mask, params, mask_id=mask_id, routing_text=routing_text, arrival=arrival)
+        mask = None if mask_id is None else loaded.masks[mask_id].mask
+        req = EngineRequest(prompt_ids, mask, params, mask_id=mask_id, routing_text=routing_text, arrival=arrival,
+                            request_id=protocol.new_id("chatcmpl" if chat else "cmpl"))
         try:
-            stream = served.engine.submit(req)
+            stream = loaded.engine.submit(req)
         except QueueFull:
-            raise _queue_full(served.engine) from None
+            raise _queue_full(loaded.engine) from None
         except EngineClosed as exc:
             raise _unavailable(exc) from None
-        reply = Reply(self, served, req, chat)
+        reply = Reply(self, loaded, req, chat)
         if body.stream:
             return StreamingResponse(reply.sse(stream, body.include_usage()), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -248,7 +249,7 @@ class Service:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            served.engine.abort(req)  # no-op when finished; frees the slot when the client left
+            loaded.engine.abort(req)  # no-op when finished; frees the slot when the client left
         if not collect.done():
             collect.cancel()
             return Response(status_code=499)  # client closed the connection; nobody reads this
@@ -288,13 +289,12 @@ async def _until_disconnect(http: Request) -> None:
 class Reply:
     """OpenAI response objects for one request, completion or chat flavour."""
 
-    def __init__(self, service: Service, served: Served, req: EngineRequest, chat: bool):
-        self.service, self.served, self.req, self.chat = service, served, req, chat
-        self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
+    def __init__(self, service: OpenAIServing, loaded: Loaded, req: EngineRequest, chat: bool):
+        self.service, self.loaded, self.req, self.chat = service, loaded, req, chat
 
     def info(self) -> protocol.IgserveInfo:
         """The mask the request runs under; known once the engine has scheduled it."""
-        req, choice = self.req, self.served.masks[self.req.mask_id]
+        req, choice = self.req, self.loaded.masks[self.req.mask_id]
         return protocol.IgserveInfo(mask=req.mask_id, skip_ratio=choice.skip_ratio, compute_saved=choice.compute_saved,
                                     router_ms=req.route.router_ms if req.route else 0.0,
                                     distance=req.route.distance if req.route else None)
@@ -304,7 +304,7 @@ class Reply:
         return protocol.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
 
     def _common(self) -> dict:
-        return {"id": self.id, "model": self.served.name, "igserve": self.info()}
+        return {"id": self.req.request_id, "model": self.loaded.name, "igserve": self.info()}
 
     def response(self) -> BaseModel:
         req = self.req
@@ -350,7 +350,7 @@ class Reply:
             self.service.count_error(err.type)
             yield _event(err.response().body)
         finally:
-            self.served.engine.abort(self.req)
+            self.loaded.engine.abort(self.req)
         yield "data: [DONE]\n\n"
 
 

@@ -106,8 +106,8 @@ def test_auto_routing_uses_the_nearest_centroid(client, model, tiny, tiny_bank):
 
 
 def test_bfloat16_server_routes_with_a_bfloat16_encoder(tiny_model_dir, tiny_bank, tiny_bank_file):
-    served = loading.load_served(api.ServeConfig(model=str(tiny_model_dir), bank=str(tiny_bank_file), dtype="bfloat16"))
-    router = served.engine.engine.router
+    loaded = loading.load_served(api.ServeConfig(model=str(tiny_model_dir), bank=str(tiny_bank_file), dtype="bfloat16"))
+    router = loaded.engine.engine.router
     assert router.encoder.dtype == torch.bfloat16
     prompts = list(PROMPTS.values())
     assert [r.mask_id for r in router.route(prompts)] == [r.mask_id for r in Router(tiny_bank).route(prompts)]
@@ -237,7 +237,7 @@ def test_ignore_eos_generates_past_the_end_of_sequence(serve_tiny, tiny, model):
     prompt = [5, 6, 7, 8]
     dense = torch.ones(1, 2 * tiny.model.config.num_hidden_layers, dtype=torch.bool)
     first = int(BlockRunner(tiny.model, max_slots=1, max_len=256).prefill([prompt], dense, [0]).argmax())
-    server.app.state.service.served.engine.engine.eos_ids.add(first)
+    server.app.state.service.loaded.engine.engine.eos_ids.add(first)
     client = server.client()
     body = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"igserve": {"mask": "dense"}})
     stopped = client.completions.create(**body)
@@ -251,7 +251,7 @@ def test_a_router_fault_fails_only_the_requests_being_routed(serve_tiny, model):
     """An encoder failure is a server fault (500, OpenAI error object) for the requests it was
     routing; a request in flight with a forced mask finishes, and the server keeps serving."""
     server = serve_tiny(max_tokens_limit=LONG)
-    engine = server.app.state.service.served.engine.engine
+    engine = server.app.state.service.loaded.engine.engine
     original = engine.router.route
     client = server.client()
     running = client.completions.create(model=model, prompt="Once upon a time", max_tokens=LONG, temperature=0,

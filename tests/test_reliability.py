@@ -134,7 +134,7 @@ def test_engine_death_turns_health_to_503_and_stops_the_server(tiny_model_dir, t
                                     max_model_len=256, max_tokens_limit=LONG, dtype="float32",
                                     log_level="warning")).start()
     try:
-        engine = server.app.state.service.served.engine
+        engine = server.app.state.service.loaded.engine
         client = server.client()
         stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=LONG,
                                            temperature=0, stream=True, extra_body=mask_body("dense"))
