@@ -125,12 +125,11 @@ def load_served(cfg: ServeConfig) -> Served:
         router = Router(bank, load_encoder(cfg.device, dtype))
         log.info("mask bank %s: %d clusters, sparsity %.2f, baselines %s", path, len(bank.mask_ids),
                  bank.sparsity, sorted(bank.baselines))
-    dense_params = runner.params_per_token(torch.ones(runner.num_blocks, dtype=torch.bool))
     masks = {}
     for mask_id in bank.all_mask_ids() if bank else [DENSE]:
         mask = bank.mask(mask_id) if bank else torch.ones(runner.num_blocks, dtype=torch.bool)
         masks[mask_id] = MaskChoice(mask, 1.0 - float(mask.float().mean()),
-                                    1.0 - runner.params_per_token(mask) / dense_params)
+                                    runner.cost.compute_saved(mask))
     metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
     engine = AsyncEngine(LLMEngine(runner, lm.tokenizer, cfg.max_batch, router), cfg.max_queue, metrics)
     return Served(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, masks, router is not None,
