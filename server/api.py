@@ -69,6 +69,7 @@ class ServeConfig:
     max_tokens_limit: int = 1024
     max_model_len: int = 2048
     dtype: str = "auto"
+    weights: str = "auto"  # linear weight format: auto | fp32 | bf16 | int8 | int4 (server/weights.py)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Served:
     engine: AsyncEngine
     metrics: ServingMetrics
     dtype: str
+    weights: str = "fp32"
 
 
 # ---------------------------------------------------------------------------- loading
@@ -109,10 +111,11 @@ def load_served(cfg: ServeConfig) -> Served:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    dtype = models.resolve_dtype(cfg.dtype, cfg.device)
-    dtype_name = str(dtype).removeprefix("torch.")
-    lm = models.load(cfg.model, device=cfg.device, dtype=dtype)
-    log.info("model %s in %s on %s", lm.name, dtype_name, cfg.device)
+    dtype = models.resolve_dtype(cfg.dtype, cfg.device)  # the encoder's
+    weights, lm_dtype = models.resolve_weights(cfg.weights, cfg.dtype, cfg.device)
+    dtype_name = str(lm_dtype).removeprefix("torch.")
+    lm = models.load(cfg.model, device=cfg.device, dtype=lm_dtype, weights=weights)
+    log.info("model %s: %s weights, %s activations on %s", lm.name, weights, dtype_name, cfg.device)
     runner = BlockRunner(lm.model, max_slots=cfg.max_batch, max_len=cfg.max_model_len)
     path = _bank_path(cfg.bank)
     bank, router = None, None
@@ -133,7 +136,7 @@ def load_served(cfg: ServeConfig) -> Served:
     metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
     engine = AsyncEngine(LLMEngine(runner, lm.tokenizer, cfg.max_batch, router), cfg.max_queue, metrics)
     return Served(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, masks, router is not None,
-                  engine, metrics, dtype_name)
+                  engine, metrics, dtype_name, weights=weights)
 
 
 async def _in_own_thread(fn, *args):
@@ -429,7 +432,7 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
         served = service.served
         body = {"status": service.status}
         if served is not None:
-            body.update(model=served.name, dtype=served.dtype, routing="ig" if served.routing else "dense",
+            body.update(model=served.name, dtype=served.dtype, weights=served.weights, routing="ig" if served.routing else "dense",
                         masks=list(served.masks),
                         running=served.engine.num_running, waiting=served.engine.num_waiting)
         return JSONResponse(body, status_code=200 if service.status == "ok" else 503)
@@ -459,13 +462,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length (prompt + output) the KV cache is sized for")
     parser.add_argument("--dtype", default=d.dtype, choices=models.DTYPES,
                         help="weights and KV cache; auto: bfloat16 on CUDA and on CPUs with AMX, else float32")
+    parser.add_argument("--weights", default=d.weights, choices=("auto", "fp32", "bf16", "int8", "int4"),
+                        help="linear weight format; auto: by CPU (README, weight formats)")
     parser.add_argument("--log-level", default="info")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(model=args.model, bank=args.bank, api_key=args.api_key, device=args.device,
                        max_batch=args.max_batch, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
-                       max_model_len=args.max_model_len, dtype=args.dtype)
+                       max_model_len=args.max_model_len, dtype=args.dtype, weights=args.weights)
 
 
 def run(args: argparse.Namespace) -> int:

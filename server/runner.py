@@ -136,7 +136,6 @@ class BlockRunner:
         keep = gates if hard else gates != 0
         counts = keep.sum(0).tolist()
         batch = ids.shape[0]
-        hidden = (h.shape[-1],)
         blend = hard and ids.shape[1] == 1 and cache_rows is not None  # decode: see the module docstring
         for j, count in enumerate(counts):
             if count == 0:
@@ -145,7 +144,7 @@ class BlockRunner:
             i, layer = j // 2, self.layers[j // 2]
             x = h if rows is None else h.index_select(0, rows)
             if j % 2 == 0:
-                x = F.rms_norm(x, hidden, layer.input_layernorm.weight, self.eps[i][0])
+                x = _rms_norm(x, layer.input_layernorm.weight, self.eps[i][0])
                 if rows is None:
                     out = self._attention(i, x, cos, sin, attn_mask, cache_rows)
                 else:
@@ -154,7 +153,7 @@ class BlockRunner:
                         sub = (*(c[rows] for c in cache_rows[:3]), None)
                     out = self._attention(i, x, cos[rows], sin[rows], attn_mask[rows], sub)
             else:
-                out = self._ffn(i, F.rms_norm(x, hidden, layer.post_attention_layernorm.weight, self.eps[i][1]))
+                out = self._ffn(i, _rms_norm(x, layer.post_attention_layernorm.weight, self.eps[i][1]))
             if not hard:
                 g = gates[:, j] if rows is None else gates[rows, j]
                 out = out * g.to(out.dtype)[:, None, None]
@@ -164,7 +163,7 @@ class BlockRunner:
                 h = torch.where(keep[:, j, None, None], h + out, h)
             else:
                 h = h + out
-        return F.rms_norm(h, hidden, self.norm.weight, self.final_eps)
+        return _rms_norm(h, self.norm.weight, self.final_eps)
 
     # ------------------------------------------------------------------ public entry points
     def _gates(self, masks: torch.Tensor) -> torch.Tensor:
@@ -234,6 +233,13 @@ class BlockRunner:
     def copy_slot(self, src: int, dsts: list[int], length: int) -> None:
         """Share a cached prefix: copy the first ``length`` positions of slot src into dsts."""
         self.cache.copy_prefix(src, dsts, length)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama RMSNorm in one call: normalise in float32, round to x's dtype, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -149,7 +149,13 @@ class Int4Linear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
-    """y = (x W8^T) · s (+ b): symmetric int8 per output channel; x in the scales' dtype."""
+    """y = (x W8^T) · s (+ b): symmetric int8 per output channel; x in the scales' dtype.
+
+    ``_weight_int8pack_mm`` streams the weight once per row: it wins while a call is bound by
+    reading weights (decode) and loses to a float32 matmul on a dequantised copy from ``DENSE_ROWS``
+    rows up (prefill chunks, large batches; measured on AVX2)."""
+
+    DENSE_ROWS = 32
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu"):
         super().__init__()
@@ -165,6 +171,8 @@ class Int8Linear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.is_cuda:  # untested: dequantising matmul
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
+        elif x2.shape[0] >= self.DENSE_ROWS:
+            y = F.linear(x2.float(), self.weight.float() * self.scales.float()[:, None]).to(x2.dtype)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         if self.bias is not None:
