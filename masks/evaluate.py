@@ -98,8 +98,7 @@ def evaluate_bank(runner, tokenizer, bank: MaskBank, domains: dict[str, list[str
                   max_len: int = 128, batch_size: int = 8, seed: int = 0) -> dict:
     """Score every document under every mask, then aggregate each method per domain and overall."""
     masks = {m: bank.mask(m) for m in (DENSE, *bank.mask_ids, *STATIC)}
-    dense_params = runner.params_per_token(masks[DENSE])
-    saved = {m: 1.0 - runner.params_per_token(mask) / dense_params for m, mask in masks.items()}
+    saved = {m: runner.cost.compute_saved(mask) for m, mask in masks.items()}
     results, doc_domain = [], []
     batches = [(d, texts[i : i + batch_size]) for d, texts in domains.items() for i in range(0, len(texts), batch_size)]
     for domain, texts in tqdm(batches, desc="eval batches", unit="batch"):
@@ -130,7 +129,7 @@ def evaluate_bank(runner, tokenizer, bank: MaskBank, domains: dict[str, list[str
         "sparsity": bank.sparsity,
         "methods": methods,
         "masks": {m: {"skip_ratio": bank.skip_ratio(m), "compute_saved": saved[m],
-                      "ideal_speedup": runner.ideal_speedup(mask), **_totals([(r, m) for r in results])}
+                      "ideal_speedup": runner.cost.ideal_speedup(mask), **_totals([(r, m) for r in results])}
                   for m, mask in masks.items()},
         "routing": {d: {m: routes[d].count(m) for m in sorted(set(routes[d]))} for d in domains},
         "tokens": {d: sum(r["tokens"] for r, dd in zip(results, doc_domain) if dd == d) for d in domains},

@@ -255,16 +255,15 @@ def _paired(diffs: list[np.ndarray]) -> dict:
 def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], router, seed: int = 0,
              batch_tokens: int = BATCH_TOKENS, cache: Path | None = None, ood_distance: float | None = None) -> dict:
     """Score every task under every distinct mask once, then aggregate each method (JSON-ready)."""
-    from server.runner import BlockRunner
+    from server.cost import CostModel
 
     static = [m for m in STATIC if m in bank.baselines]
     methods = [m for m in METHODS if m not in STATIC or m in static]
     if ood_distance is not None and "greedy" in static:
         methods.append("ig_ood")
     masks, index = unique_masks(bank, static)
-    cost = BlockRunner(lm.model, max_slots=1, max_len=1)
-    dense_params = cost.params_per_token(masks[index[DENSE]])
-    saved = np.array([1.0 - cost.params_per_token(m) / dense_params for m in masks])
+    cost = CostModel.from_model(lm.model)
+    saved = np.array([cost.compute_saved(m) for m in masks])
     skip = (~masks).float().mean(1).numpy()
     generator = torch.Generator().manual_seed(seed)
     correct = {m: {metric: {} for metric in METRICS} for m in methods}

@@ -112,7 +112,8 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
         loaded = service.loaded
         body = {"status": service.status if service.status != "ok" or service.healthy else "failed"}
         if loaded is not None:
-            body.update(model=loaded.name, dtype=loaded.dtype, routing="ig" if loaded.routing else "dense",
+            body.update(model=loaded.name, dtype=loaded.dtype, weights=loaded.weights,
+                        routing="ig" if loaded.routing else "dense",
                         masks=list(loaded.masks), engine_alive=loaded.engine.alive,
                         running=loaded.engine.num_running, waiting=loaded.engine.num_waiting)
         return JSONResponse(body, status_code=200 if service.healthy else 503)

@@ -14,9 +14,10 @@ import sys
 COMMANDS = [
     (("prepare",), "server.prepare", "convert the packaged model into the local safetensors cache"),
     (("serve",), "server.api", "start the OpenAI-compatible server"),
-    (("bench", "decode"), "server.bench_decode", "decode/prefill throughput of HF generate vs the runner"),
-    (("bench", "serve"), "server.bench_serve", "concurrent streaming clients against a running server"),
-    (("bench", "report"), "server.bench_report", "render bench/REPORT.md and plots from bench/results/"),
+    (("bench", "decode"), "bench.decode", "decode/prefill throughput per weight format: HF generate vs the runner"),
+    (("bench", "serve"), "bench.serve", "concurrent streaming clients against a running server"),
+    (("bench", "compare"), "bench.compare", "igserve against llama.cpp's llama-server, same clients and prompts"),
+    (("bench", "report"), "bench.report", "render bench/REPORT.md and plots from bench/results/"),
     (("masks", "build"), "masks.build", "cluster a calibration corpus and learn one block mask per cluster"),
     (("eval", "zeroshot"), "masks.zeroshot", "zero-shot multiple-choice accuracy of dense, IG and static masks"),
     (("eval",), "masks.evaluate", "perplexity and KL-to-dense per domain of dense, IG and static masks"),

@@ -52,6 +52,7 @@ class Loaded:
     engine: AsyncEngine
     metrics: ServingMetrics
     dtype: str
+    weights: str
 
 
 def bank_path(bank: str | None) -> Path | None:
@@ -76,10 +77,11 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    dtype = models.resolve_dtype(cfg.dtype, cfg.device)
-    dtype_name = str(dtype).removeprefix("torch.")
-    lm = models.load(cfg.model, device=cfg.device, dtype=dtype)
-    log.info("model %s in %s on %s", lm.name, dtype_name, cfg.device)
+    dtype = models.resolve_dtype(cfg.dtype, cfg.device)  # the encoder's
+    weights, lm_dtype = models.resolve_weights(cfg.weights, cfg.dtype, cfg.device)
+    dtype_name = str(lm_dtype).removeprefix("torch.")
+    lm = models.load(cfg.model, device=cfg.device, dtype=lm_dtype, weights=weights)
+    log.info("model %s: %s weights, %s activations on %s", lm.name, weights, dtype_name, cfg.device)
     runner = BlockRunner(lm.model, max_slots=cfg.max_batch, max_len=cfg.max_model_len)
     path = bank_path(cfg.bank)
     bank, router = None, None
@@ -92,14 +94,14 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
         router = Router(bank, load_encoder(cfg.device, dtype))
         log.info("mask bank %s: %d clusters, sparsity %.2f, baselines %s", path, len(bank.mask_ids),
                  bank.sparsity, sorted(bank.baselines))
-    dense_params = runner.params_per_token(torch.ones(runner.num_blocks, dtype=torch.bool))
-    masks = {i: MaskChoice(m, 1.0 - float(m.float().mean()), 1.0 - runner.params_per_token(m) / dense_params)
+    masks = {i: MaskChoice(m, 1.0 - float(m.float().mean()), runner.cost.compute_saved(m))
              for i, m in _mask_tensors(bank, router, runner.num_blocks).items()}
     metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
     engine = LLMEngine(runner, lm.tokenizer, cfg.max_batch, router, cfg.max_num_batched_tokens)
     max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
     return Loaded(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
-                  router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name)
+                  router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name,
+                  weights)
 
 
 async def in_own_thread(fn, *args):

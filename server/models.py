@@ -54,6 +54,31 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if _cpu_has_amx() else torch.float32
 
 
+def resolve_weights(weights: str, dtype: str = "auto", device: str = "cpu") -> tuple[str, torch.dtype]:
+    """(weight format, activation dtype). ``weights=auto`` with an explicit ``dtype`` serves plain
+    weights in that dtype, as before formats existed; with ``dtype=auto`` it picks the format by CPU
+    (``weights.auto_format``). Quantised formats default to bfloat16 activations, the dtype their
+    CPU kernels are vectorised for; ``dtype=float32`` with int4 is the exact Q4_1 model (slow)."""
+    from server import weights as wf
+
+    if weights not in wf.FORMATS:
+        raise ModelLoadError(f"unknown weights {weights!r} (choose from {', '.join(wf.FORMATS)})")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if weights == "auto":
+        if dtype != "auto":
+            return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype], getattr(torch, dtype)
+        weights = wf.auto_format(device)
+        if weights in ("fp32", "bf16"):
+            return weights, resolve_dtype("auto", device) if device.startswith("cuda") else (
+                torch.float32 if weights == "fp32" else torch.bfloat16)
+    if weights == "fp32":
+        return "fp32", torch.float32
+    if weights == "bf16":
+        return "bf16", torch.bfloat16
+    return weights, torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
+
+
 def _cpu_has_amx() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -69,6 +94,7 @@ class LoadedModel:
     model: torch.nn.Module  # a transformers *ForCausalLM, frozen, in eval mode
     tokenizer: object
     fingerprint: str
+    weights: str = "fp32"  # format the linears are served in (server/weights.py)
 
 
 def cache_root() -> Path:
@@ -150,8 +176,14 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return "sha256:" + digest.hexdigest()[:16]
 
 
-def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model for the block-masked runner; the fingerprint is taken on fp32 weights."""
+def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtype = torch.float32,
+         weights: str = "fp32") -> LoadedModel:
+    """Load a model for the block-masked runner with its linears in ``weights`` (fp32 and bf16
+    follow ``dtype``; int8/int4 run with ``dtype`` activations). The fingerprint is taken on the
+    fp32 weights, so banks stay valid across formats. A packaged GGUF's int4 serves its own Q4_1
+    groups."""
+    from server import weights as wf
+
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = prepare(name_or_path)
@@ -170,6 +202,15 @@ def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dt
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     model.eval().requires_grad_(False)
     fingerprint = weights_fingerprint(model)
-    model.to(device=device, dtype=dtype)
+    if weights in ("int8", "int4"):
+        groups = {}
+        if weights == "int4" and name_or_path in PACKAGED_MODELS:
+            groups = wf.read_gguf_q4_1(_packaged_gguf(PACKAGED_MODELS[name_or_path]), config)
+        wf.quantize(model, weights, dtype, groups, device)  # from the fp32 weights
+        model.to(device=device, dtype=dtype)
+    elif weights in ("fp32", "bf16", "fp16"):
+        model.to(device=device, dtype=dtype)
+    else:
+        raise ModelLoadError(f"unknown weights {weights!r}: resolve 'auto' with resolve_weights first")
     return LoadedModel(name=served_name(name_or_path), path=path, model=model, tokenizer=tokenizer,
-                       fingerprint=fingerprint)
+                       fingerprint=fingerprint, weights=weights)

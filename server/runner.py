@@ -20,13 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from server import cost, weights
+
 
 def block_names(num_layers: int) -> list[str]:
     return [f"{kind}_{i}" for i in range(num_layers) for kind in ("attn", "ffn")]
-
-
-def _param_count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 class KVCache:
@@ -39,6 +37,23 @@ class KVCache:
         self.slots = slots
         self.scratch = slots
         self.max_len = max_len
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [n, T, kv_heads, head_dim] at (slots [n, T], positions [n, T])."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
+    def read(self, layer: int, slots: torch.Tensor, length: int, run: bool | None = None):
+        """K and V of ``slots`` [n] up to ``length``; views when the slots are one ascending run
+        (``run``: that check, done once per step by the caller)."""
+        return _take(self.k[layer], slots, length, run), _take(self.v[layer], slots, length, run)
+
+    def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
+        """Copy the first ``length`` positions of slot src into dsts (a shared prompt prefix)."""
+        index = torch.tensor(dsts, dtype=torch.long, device=self.k[0].device)  # a list index is ~500x slower
+        for ck, cv in zip(self.k, self.v):
+            ck[index, :, :length] = ck[src, :, :length]
+            cv[index, :, :length] = cv[src, :, :length]
 
 
 class BlockRunner:
@@ -63,54 +78,60 @@ class BlockRunner:
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        # Parameters touched per token by each block and by the always-run parts (lm_head).
-        self.block_params = torch.tensor(
-            [_param_count(norm) + _param_count(part)
-             for layer in self.layers
-             for norm, part in ((layer.input_layernorm, layer.self_attn), (layer.post_attention_layernorm, layer.mlp))],
-            dtype=torch.float64,
-        )
-        self.head_params = _param_count(self.lm_head) + _param_count(self.norm)
         self.cache = KVCache(self.num_layers, max_slots, self.num_kv_heads, self.max_len, self.head_dim,
                              self.dtype, self.device)
+        self.cost = cost.CostModel.from_model(model)
+        # q/k/v and gate/up as one matmul each; the HF modules keep views of the fused weights.
+        self.qkv = [weights.fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.gate_up = [weights.fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        self.act = self.layers[0].mlp.act_fn
+        self.eps = [(l.input_layernorm.variance_epsilon, l.post_attention_layernorm.variance_epsilon)
+                    for l in self.layers]
+        self.final_eps = self.norm.variance_epsilon
+        # Rotary cos/sin for every position, computed once by the model's own rotary module.
+        with torch.no_grad():
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, torch.arange(self.max_len, device=self.device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
 
     # ------------------------------------------------------------------ cost model
     def params_per_token(self, mask: torch.Tensor) -> float:
         """Parameters touched per token by a bool mask of length B (lm_head included)."""
-        return float(self.block_params[mask.cpu()].sum()) + self.head_params
+        return self.cost.params(mask)
 
     def ideal_speedup(self, mask: torch.Tensor) -> float:
-        dense = torch.ones(self.num_blocks, dtype=torch.bool)
-        return self.params_per_token(dense) / self.params_per_token(mask)
+        return self.cost.ideal_speedup(mask)
 
     # ------------------------------------------------------------------ core forward
-    def _attention(self, layer_idx: int, x, cos, sin, attn_mask, cache_rows):
-        """Self-attention on rows x [n, T, H]. With ``cache_rows`` = (read slots [n], write slots
-        [n, T], write positions [n, T]), new K/V go into the cache and the rows attend over their
-        cached prefix; without it they attend over x alone (the cache-free full forward)."""
-        attn = self.layers[layer_idx].self_attn
+    def _attention(self, i: int, x, cos, sin, attn_mask, cache_rows):
+        """Self-attention of layer i on normed rows x [n, T, H]. With ``cache_rows`` = (read slots
+        [n], write slots [n, T], write positions [n, T], read slots form one run), new K/V go into
+        the cache and the rows attend over their cached prefix; without it they attend over x
+        alone (the cache-free full forward)."""
         n, t, _ = x.shape
-        q = attn.q_proj(x).view(n, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv[i](x).view(n, t, hq + 2 * hk, d)
+        qk, v = qkv[:, :, : hq + hk], qkv[:, :, hq + hk:]
+        qk = qk * cos + _rotate_half(qk) * sin  # q and k rotated in one pass
+        q, k = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:]
         if cache_rows is not None:
-            slots, write_slots, write_pos = cache_rows
-            ck, cv = self.cache.k[layer_idx], self.cache.v[layer_idx]
-            ck[write_slots, :, write_pos] = k.transpose(1, 2)
-            cv[write_slots, :, write_pos] = v.transpose(1, 2)
-            kv_len = attn_mask.shape[-1]
-            k, v = _take(ck, slots, kv_len), _take(cv, slots, kv_len)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=attn.scaling,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
-        return attn.o_proj(out.transpose(1, 2).reshape(n, t, self.num_heads * self.head_dim))
+            slots, write_slots, write_pos, run = cache_rows
+            self.cache.write(i, write_slots, write_pos, k, v)
+            k, v = self.cache.read(i, slots, attn_mask.shape[-1], run)
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.layers[i].self_attn.scaling,
+                                             enable_gqa=hk != hq)
+        return self.layers[i].self_attn.o_proj(out.transpose(1, 2).reshape(n, t, hq * d))
+
+    def _ffn(self, i: int, x):
+        g, u = self.gate_up[i](x).chunk(2, dim=-1)
+        return self.layers[i].mlp.down_proj(self.act(g) * u)
 
     def _forward(self, ids, positions, gates, attn_mask, cache_rows=None):
         """Hidden states after the final norm, [B, T, H]."""
         h = self.embed(ids)
-        cos, sin = self.rotary(h, positions)
+        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, T, 1, D]
         hard = gates.dtype == torch.bool
         keep = gates if hard else gates != 0
         counts = keep.sum(0).tolist()
@@ -120,16 +141,19 @@ class BlockRunner:
             if count == 0:
                 continue
             rows = None if count == batch or blend else keep[:, j].nonzero().squeeze(1)
-            layer = self.layers[j // 2]
+            i, layer = j // 2, self.layers[j // 2]
             x = h if rows is None else h.index_select(0, rows)
             if j % 2 == 0:
+                x = _rms_norm(x, layer.input_layernorm.weight, self.eps[i][0])
                 if rows is None:
-                    out = self._attention(j // 2, layer.input_layernorm(x), cos, sin, attn_mask, cache_rows)
+                    out = self._attention(i, x, cos, sin, attn_mask, cache_rows)
                 else:
-                    out = self._attention(j // 2, layer.input_layernorm(x), cos[rows], sin[rows], attn_mask[rows],
-                                          None if cache_rows is None else tuple(c[rows] for c in cache_rows))
+                    sub = None
+                    if cache_rows is not None:
+                        sub = (*(c[rows] for c in cache_rows[:3]), None)
+                    out = self._attention(i, x, cos[rows], sin[rows], attn_mask[rows], sub)
             else:
-                out = layer.mlp(layer.post_attention_layernorm(x))
+                out = self._ffn(i, _rms_norm(x, layer.post_attention_layernorm.weight, self.eps[i][1]))
             if not hard:
                 g = gates[:, j] if rows is None else gates[rows, j]
                 out = out * g.to(out.dtype)[:, None, None]
@@ -139,7 +163,7 @@ class BlockRunner:
                 h = torch.where(keep[:, j, None, None], h + out, h)
             else:
                 h = h + out
-        return self.norm(h)
+        return _rms_norm(h, self.norm.weight, self.final_eps)
 
     # ------------------------------------------------------------------ public entry points
     def _gates(self, masks: torch.Tensor) -> torch.Tensor:
@@ -195,7 +219,8 @@ class BlockRunner:
         write_slots = torch.where(valid, slot_t[:, None], self.cache.scratch)
         write_pos = torch.where(valid, positions, 0)
         attn_mask = (torch.arange(kv_len, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
-        return self._forward(ids, positions, self._gates(masks), attn_mask, (slot_t, write_slots, write_pos))
+        run = _is_run(slots)
+        return self._forward(ids, positions, self._gates(masks), attn_mask, (slot_t, write_slots, write_pos, run))
 
     def prefill(self, prompts: list[list[int]], masks: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Run prompts from position 0 into their cache slots; logits of each last token [B, V]."""
@@ -207,10 +232,14 @@ class BlockRunner:
 
     def copy_slot(self, src: int, dsts: list[int], length: int) -> None:
         """Share a cached prefix: copy the first ``length`` positions of slot src into dsts."""
-        index = torch.tensor(dsts, dtype=torch.long, device=self.device)  # a list index is ~500x slower
-        for ck, cv in zip(self.cache.k, self.cache.v):
-            ck[index, :, :length] = ck[src, :, :length]
-            cv[index, :, :length] = cv[src, :, :length]
+        self.cache.copy_prefix(src, dsts, length)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama RMSNorm in one call: normalise in float32, round to x's dtype, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -218,12 +247,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _take(cache: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+def _is_run(slots: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(slots, slots[1:]))
+
+
+def _take(cache: torch.Tensor, slots: torch.Tensor, length: int, run: bool | None = None) -> torch.Tensor:
     """cache[slots, :, :length], as a view when the slots are one ascending run."""
-    first = int(slots[0])
-    n = slots.numel()
-    if int(slots[-1]) - first == n - 1 and (n == 1 or bool((slots.diff() == 1).all())):
-        return cache[first : first + n, :, :length]
+    if run is None:
+        run = _is_run(slots.tolist())
+    if run:
+        first = int(slots[0])
+        return cache[first : first + slots.numel(), :, :length]
     return cache[slots, :, :length]
 
 

@@ -52,6 +52,7 @@ async def stream_chat(http: httpx.AsyncClient, model: str, prompt: str, mask: st
     start = time.perf_counter()
     first = last = None
     sample = Sample()
+    usage_tokens, content_chunks = None, 0
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -62,14 +63,18 @@ async def stream_chat(http: httpx.AsyncClient, model: str, prompt: str, mask: st
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return Sample(error=chunk["error"]["message"])
-                sample.router_ms, sample.skip_ratio = chunk["igserve"]["router_ms"], chunk["igserve"]["skip_ratio"]
+                info = chunk.get("igserve")  # absent from other servers (bench compare)
+                if info:
+                    sample.router_ms, sample.skip_ratio = info["router_ms"], info["skip_ratio"]
                 if chunk.get("usage"):
-                    sample.tokens = chunk["usage"]["completion_tokens"]
-                if any(c["delta"].get("content") for c in chunk["choices"]):
+                    usage_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     last = time.perf_counter()
                     first = first or last
+                    content_chunks += 1
     except httpx.HTTPError as exc:
         return Sample(error=f"{type(exc).__name__}: {exc}")
+    sample.tokens = content_chunks if usage_tokens is None else usage_tokens
     if first is not None:
         sample.ttft_s = first - start
         if sample.tokens > 1:
@@ -139,7 +144,7 @@ def start_server(args, max_batch: int) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--bank", args.bank,
            "--port", str(port), "--max-batch", str(max_batch), "--max-model-len", str(args.max_model_len),
-           "--dtype", args.dtype, "--log-level", "warning"]
+           "--dtype", args.dtype, "--weights", args.weights, "--log-level", "warning"]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
@@ -196,6 +201,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024, help="for a server this command starts")
     parser.add_argument("--dtype", default="auto", choices=models.DTYPES, help="for a server this command starts")
+    parser.add_argument("--weights", default="auto", help="for a server this command starts")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="every request generates exactly --max-tokens (as vLLM's throughput benchmark), "
                              "so both modes do the same work")
@@ -225,7 +231,8 @@ def run(args) -> int:
     result = {"runs": runs, "acceptance": acceptance(runs),
               "config": {"url": args.url, "model": health.get("model"), "bank": None if args.url else args.bank,
                          "routing": health.get("routing"), "clients": client_counts,
-                         "dtype": health.get("dtype"), "ignore_eos": args.ignore_eos,
+                         "dtype": health.get("dtype"), "weights": health.get("weights"),
+                         "ignore_eos": args.ignore_eos,
                          "requests_per_client": args.requests_per_client, "max_tokens": args.max_tokens,
                          "prompts": str(args.prompts), "cpus": os.cpu_count()}}
     print(json.dumps(result["acceptance"], indent=1))

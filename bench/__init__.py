@@ -1,0 +1,1 @@
+"""Benchmarks: `igserve bench decode | serve | compare | report`; results under bench/results/."""

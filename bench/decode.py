@@ -1,0 +1,201 @@
+"""`igserve bench decode`: prefill and decode throughput per weight format, HF generate vs the runner.
+
+One process, one prompt, greedy. For each weight format (``--weights``): the runner dense at batch
+1 and at a batch of ``--batch`` rows, and at batch 1 with masks that skip 25% of the blocks
+(attention only, FFN only, mixed), each next to its ideal speedup from the weight bytes touched
+per token in that format (server/cost.py). HF ``generate`` runs dense on the fp32 weights.
+``speedup`` is decode tokens/s over the same format's dense batch-1 figure from the same run.
+Each figure is the median of ``--repeats`` runs, interleaved so machine load hits every case alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from server import models, weights as wf
+from server.runner import BlockRunner
+
+PROMPT = (
+    "The history of astronomy spans thousands of years, from the first observations of the night sky by "
+    "ancient civilisations to modern space telescopes. Early astronomers tracked the motions of the Sun, "
+    "the Moon and the planets to build calendars, predict eclipses and navigate across seas. "
+)
+
+
+def skip_masks(num_layers: int, fraction: float = 0.25) -> dict[str, torch.Tensor]:
+    """Masks that skip round(fraction * 2L) blocks in the deep layers (never the last layer)."""
+    n = round(fraction * 2 * num_layers)
+    deep = list(range(num_layers - 1 - n, num_layers - 1))  # n layers before the last
+    out = {}
+    for name, blocks in (
+        ("attn25", [2 * i for i in deep]),
+        ("ffn25", [2 * i + 1 for i in deep]),
+        ("mixed25", [2 * i + (k % 2) for k, i in enumerate(deep)]),
+    ):
+        mask = torch.ones(2 * num_layers, dtype=torch.bool)
+        mask[blocks] = False
+        out[name] = mask
+    return out
+
+
+class _TokenClock(BaseStreamer):
+    """Timestamps every token HF generate emits (the first put() is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _rates(start: float, times: list[float], prompt_len: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) from the start time and one timestamp per new token."""
+    prefill = prompt_len / (times[0] - start)
+    decode = (len(times) - 1) / (times[-1] - times[0])
+    return prefill, decode
+
+
+def run_hf(model, prompt_ids: list[int], new_tokens: int) -> tuple[float, float]:
+    clock = _TokenClock()
+    ids = torch.tensor([prompt_ids])
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, streamer=clock)
+    return _rates(start, clock.times[1:], len(prompt_ids))
+
+
+def run_runner(runner: BlockRunner, prompt_ids: list[int], mask: torch.Tensor, new_tokens: int,
+               batch: int = 1) -> tuple[float, float]:
+    """Greedy decode of ``batch`` copies of the prompt through the runner as the engine drives it
+    (one host sync per step for the sampled tokens); (prefill tok/s of one prompt, decode tok/s of
+    all rows)."""
+    masks = mask.expand(batch, -1)
+    slots = list(range(batch))
+    start = time.perf_counter()
+    tokens = runner.prefill([prompt_ids], masks[:1], [0]).argmax(-1).tolist() * batch
+    times = [time.perf_counter()]
+    runner.copy_slot(0, slots[1:], len(prompt_ids))  # the rows share the prompt: prefill it once
+    for step in range(new_tokens - 1):
+        tokens = runner.decode(tokens, [len(prompt_ids) + step] * batch, masks, slots).argmax(-1).tolist()
+        times.append(time.perf_counter())
+    prefill, decode = _rates(start, times, len(prompt_ids))
+    return prefill, decode * batch
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=models.DEFAULT_MODEL)
+    parser.add_argument("--json", default="bench/results/decode.json", help="report path")
+    parser.add_argument("--weights", default="fp32,bf16,int8,int4", help="comma-separated weight formats")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16, help="rows of the batched dense run (0: skip it)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD/matrix flags that pick kernels (the full list is in /proc/cpuinfo)."""
+    keep = ("avx", "fma", "f16c", "amx", "vnni", "bf16")
+    return sorted(f for f in wf.cpu_features() if f.startswith(keep) or any(k in f for k in ("vnni", "bf16")))
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    formats = [f for f in args.weights.split(",") if f]
+    cases = []  # (name, format, mask or None for HF, batch)
+    runners, lms = {}, {}
+    for fmt in formats:
+        resolved, dtype = models.resolve_weights(fmt)
+        lm = models.load(args.model, dtype=dtype, weights=resolved)
+        lms[fmt] = lm
+        batch = max(1, args.batch)
+        runners[fmt] = BlockRunner(lm.model, max_slots=batch, max_len=args.prompt_tokens + args.new_tokens + 1)
+        dense = torch.ones(runners[fmt].num_blocks, dtype=torch.bool)
+        if fmt == "fp32":
+            cases.append(("hf_generate_dense", fmt, None, 1))
+        cases.append(("runner_dense", fmt, dense, 1))
+        if args.batch > 1:
+            cases.append((f"runner_dense_b{args.batch}", fmt, dense, args.batch))
+        cases += [(f"runner_{name}", fmt, mask, 1) for name, mask in skip_masks(runners[fmt].num_layers).items()]
+    lm0 = next(iter(lms.values()))
+    ids = lm0.tokenizer(PROMPT * 8, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
+
+    def measure(case):
+        _, fmt, mask, batch = case
+        if mask is None:
+            return run_hf(lms[fmt].model, ids, args.new_tokens)
+        return run_runner(runners[fmt], ids, mask, args.new_tokens, batch)
+
+    with torch.inference_mode():
+        for case in cases:  # warm-up: allocator, kernels, caches
+            measure(case)
+        samples = {(c[0], c[1]): [] for c in cases}
+        for _ in range(args.repeats):
+            for case in cases:
+                samples[case[0], case[1]].append(measure(case))
+
+    runs = []
+    for name, fmt, mask, batch in cases:
+        got = samples[name, fmt]
+        runner = runners[fmt]
+        mask = torch.ones(runner.num_blocks, dtype=torch.bool) if mask is None else mask
+        runs.append({
+            "name": name, "weights": fmt, "batch": batch,
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "skip_ratio": round(1 - float(mask.float().mean()), 4),
+            "skipped_blocks": [b for b, keep in zip(runner.block_names, mask.tolist()) if not keep],
+            "decode_tok_s": round(statistics.median(s[1] for s in got), 2),
+            "prefill_tok_s": round(statistics.median(s[0] for s in got), 1),
+            "weight_mb_per_token": round(runner.cost.bytes(mask) / 2**20, 1),
+            "ideal_speedup": round(runner.cost.ideal_speedup(mask), 4),
+            "decode_tok_s_samples": [round(s[1], 2) for s in got],
+        })
+    for r in runs:
+        base = next(b["decode_tok_s"] for b in runs if b["name"] == "runner_dense" and b["weights"] == r["weights"])
+        r["speedup"] = round(r["decode_tok_s"] / base, 4)
+        r["fraction_of_ideal"] = round(r["speedup"] / r["ideal_speedup"], 4) if r["batch"] == 1 else None
+    report = {
+        "model": lm0.name,
+        "fingerprint": lm0.fingerprint,
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(),
+        "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "auto_weights": wf.auto_format(),
+        "prompt_tokens": len(ids),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "command": f"igserve bench decode --model {args.model} --weights {args.weights} --batch {args.batch} "
+                   f"--new-tokens {args.new_tokens} --repeats {args.repeats} --json {args.json}",
+        "runs": runs,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'run':<20}{'weights':>8}{'batch':>6}{'skip':>6}{'decode tok/s':>14}{'prefill tok/s':>15}"
+          f"{'speedup':>9}{'ideal':>8}")
+    for r in runs:
+        print(f"{r['name']:<20}{r['weights']:>8}{r['batch']:>6}{r['skip_ratio']:>6.2f}{r['decode_tok_s']:>14.2f}"
+              f"{r['prefill_tok_s']:>15.1f}{r['speedup']:>9.3f}{r['ideal_speedup']:>8.3f}")
+    return 0

@@ -1,0 +1,292 @@
+"""Weight formats for the runner's linears: fp32, bf16, int8 and int4 weight-only.
+
+* ``int4`` serves the shipped GGUF's own Q4_1 bits: every 32-weight group keeps its fp16 scale d
+  and min m (w = d·q + m, q in 0..15). torch's int4 kernels compute w = (q - 8)·scale + zero, so
+  the groups go in as scale = d, zero = m + 8d. The scales/zeros tensor is in the activation
+  dtype: in float32 the layer is the Q4_1 dequantisation to float rounding; in bfloat16 (the fast
+  CPU path) d and m + 8d are rounded to 8 mantissa bits. A model without a GGUF is quantised with
+  ggml's Q4_1 rule (m = group min, d = range / 15).
+* ``int8``: symmetric per-output-channel int8 (``_weight_int8pack_mm``), for 16/32-bit models.
+* The tied embedding / lm_head (Q8_0 in the GGUF) is an int8 per-channel lm_head in both
+  quantised formats; the embedding lookup stays a table in the activation dtype.
+
+Norms, rotary, attention and the KV cache run in the activation dtype. CUDA paths (torch's
+tinygemm int4 kernel; int8 as a dequantising matmul) are untested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
+GROUP = 32  # Q4_1 block size = torch int4 group size
+
+
+@dataclass
+class Q4Groups:
+    """One linear weight [N, K] in Q4_1 groups along K: q [N, K] ints 0..15, d and m [N, K/32] fp32."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.view(n, k // GROUP, GROUP).float() * self.d[..., None] + self.m[..., None]
+        return w.view(n, k)
+
+    def permute_rows(self, perm: torch.Tensor) -> "Q4Groups":
+        return Q4Groups(self.q[perm], self.d[perm], self.m[perm])
+
+
+def quantize_q4_1(w: torch.Tensor) -> Q4Groups:
+    """ggml's Q4_1 rule on a float weight [N, K]: per 32-group min m, scale d = (max - min) / 15,
+    both rounded to fp16 as the GGUF stores them."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
+    g = w.detach().float().reshape(n, k // GROUP, GROUP)
+    m = g.amin(-1).half().float()
+    d = ((g.amax(-1) - m) / 15).half().float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = ((g - m[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return Q4Groups(q.view(n, k), d, m)
+
+
+# ---------------------------------------------------------------------------- GGUF
+def _q4_1_from_gguf(data: np.ndarray, n: int, k: int) -> Q4Groups:
+    """Raw Q4_1 rows [N, K/32 * 20 bytes] -> groups. A block: fp16 d, fp16 m, 16 bytes of
+    nibbles (low nibbles are elements 0..15, high nibbles 16..31)."""
+    blocks = np.ascontiguousarray(data).reshape(n, k // GROUP, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
+    return Q4Groups(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(m))
+
+
+_GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+
+
+def _unpermute(n_rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k rotary permutation (as transformers does on load)."""
+    dim = n_rows // heads // 2
+    return torch.arange(n_rows).view(heads, dim, 2).transpose(1, 2).reshape(-1)
+
+
+def read_gguf_q4_1(path: Path, config) -> dict[str, Q4Groups]:
+    """The Q4_1 linears of a GGUF file, keyed by HF parameter name (``model.layers.0.mlp.up_proj``)."""
+    import gguf
+
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        parts = t.name.split(".")
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1 or parts[0] != "blk" or parts[2] not in _GGUF_LINEARS:
+            continue
+        k, n = (int(s) for s in t.shape)
+        groups = _q4_1_from_gguf(t.data, n, k)
+        if parts[2] == "attn_q":
+            groups = groups.permute_rows(_unpermute(n, config.num_attention_heads))
+        elif parts[2] == "attn_k":
+            groups = groups.permute_rows(_unpermute(n, config.num_key_value_heads))
+        out[f"model.layers.{parts[1]}.{_GGUF_LINEARS[parts[2]]}"] = groups
+    return out
+
+
+# ---------------------------------------------------------------------------- modules
+class Int4Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W in int4 groups of 32; x in the scales' dtype."""
+
+    def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu"):
+        super().__init__()
+        n, k = groups.q.shape
+        self.in_features, self.out_features = k, n
+        self.cuda_kernel = str(device).startswith("cuda")
+        if n % 16:
+            raise ValueError(f"int4 needs out_features divisible by 16, got {n}")
+        if self.cuda_kernel:  # untested: tinygemm wants two nibbles per byte, high nibble first
+            q = groups.q.to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(device), 8)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1)
+        self.register_buffer("packed", packed)
+        zero = groups.m + 8 * groups.d
+        self.register_buffer("scales_zeros", torch.stack([groups.d, zero], -1).transpose(0, 1).contiguous().to(
+            device=device, dtype=dtype))  # [K/32, N, 2]
+        self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.cuda_kernel:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    @classmethod
+    def cat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
+        """Concatenate along N (the packed layout is blocks of 16 rows, so rows stack)."""
+        return _stacked(cls, parts, {"packed": 0, "scales_zeros": 1, "bias": 0})
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight [N, K] this layer computes with (its scales/zeros' precision)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.packed.device)
+        bias, self.bias = self.bias, None
+        try:
+            return self.forward(eye).T.float()
+        finally:
+            self.bias = bias
+
+
+class Int8Linear(torch.nn.Module):
+    """y = (x W8^T) · s (+ b): symmetric int8 per output channel; x in the scales' dtype.
+
+    ``_weight_int8pack_mm`` streams the weight once per row: it wins while a call is bound by
+    reading weights (decode) and loses to a float32 matmul on a dequantised copy from ``DENSE_ROWS``
+    rows up (prefill chunks, large batches; measured on AVX2)."""
+
+    DENSE_ROWS = 32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu"):
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        scale = w.abs().amax(1).clamp(min=1e-12) / 127
+        self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).to(device))
+        self.register_buffer("scales", scale.to(device=device, dtype=dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda:  # untested: dequantising matmul
+            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
+        elif x2.shape[0] >= self.DENSE_ROWS:
+            y = F.linear(x2.float(), self.weight.float() * self.scales.float()[:, None]).to(x2.dtype)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    @classmethod
+    def cat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
+        return _stacked(cls, parts, {"weight": 0, "scales": 0, "bias": 0})
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+
+def _stacked(cls, parts, dims: dict[str, int]):
+    out = cls.__new__(cls)
+    torch.nn.Module.__init__(out)
+    out.__dict__.update({k: v for k, v in vars(parts[0]).items() if not k.startswith("_") and k != "training"})
+    for name, dim in dims.items():
+        bufs = [getattr(p, name) for p in parts]
+        out.register_buffer(name, None if bufs[0] is None else torch.cat(bufs, dim))
+    out.out_features = sum(p.out_features for p in parts)
+    return out
+
+
+def fuse(linears: list[torch.nn.Module]) -> torch.nn.Module:
+    """One linear computing ``cat([l(x) for l in linears], -1)`` in one kernel call (q/k/v and
+    gate/up). Plain linears get one concatenated weight and are re-pointed at views of it, so
+    memory is shared and the HF modules stay usable."""
+    first = linears[0]
+    bias = None if first.bias is None else torch.cat([l.bias for l in linears])
+    if isinstance(first, torch.nn.Linear):
+        w = torch.cat([l.weight.detach() for l in linears])
+        fused = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
+        fused.weight = torch.nn.Parameter(w, requires_grad=False)
+        if bias is not None:
+            fused.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+        start = 0
+        for l in linears:
+            n = l.weight.shape[0]
+            l.weight.data = w[start:start + n]
+            if bias is not None:
+                l.bias.data = fused.bias.data[start:start + n]
+            start += n
+        return fused
+    return type(first).cat(linears)
+
+
+# ---------------------------------------------------------------------------- conversion
+def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype, groups: dict[str, Q4Groups] | None = None,
+             device="cpu") -> torch.nn.Module:
+    """Replace the decoder's linears (and the lm_head) with ``fmt`` modules, in place. ``groups``:
+    Q4_1 groups read from a GGUF (int4 only); missing linears are quantised here."""
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"not a quantised format: {fmt!r}")
+    groups = groups or {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear) or name == "lm_head":
+            continue
+        if fmt == "int4":
+            g = groups.get(name) or quantize_q4_1(module.weight)
+            new = Int4Linear(g, module.bias, dtype, device)
+        else:
+            new = Int8Linear(module.weight, module.bias, dtype, device)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+    head = model.lm_head
+    model.lm_head = Int8Linear(head.weight, head.bias, dtype, device)
+    return model
+
+
+def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A float32 copy of a quantised model whose linears hold the weights the quantised kernels
+    compute with: the reference the quantised runner is tested against."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        if isinstance(module, (Int4Linear, Int8Linear)):
+            lin = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            lin.weight = torch.nn.Parameter(module.dequantized(), requires_grad=False)
+            if module.bias is not None:
+                lin.bias = torch.nn.Parameter(module.bias.float(), requires_grad=False)
+            parent, _, attr = name.rpartition(".")
+            setattr(ref.get_submodule(parent) if parent else ref, attr, lin)
+    return ref.float()
+
+
+def bytes_per_param(fmt: str) -> float:
+    """Weight bytes read per parameter of a linear in ``fmt`` (int4: 4 bits plus one bf16 scale and
+    zero per group of 32; int8: per-channel scales are negligible)."""
+    return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / GROUP}[fmt]
+
+
+def cpu_features() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def auto_format(device: str = "cpu") -> str:
+    """The format ``auto`` serves (table and measurements in the README): int4 where torch's int4
+    kernel is vectorised (AVX-512 and AMX CPUs, CUDA); int8 on AVX2-only CPUs, where the int4
+    kernel falls back to scalar code and bf16 matmuls are slower than fp32; fp32 otherwise."""
+    if device.startswith("cuda"):
+        return "bf16"  # quantised CUDA paths are untested
+    flags = cpu_features()
+    if "avx512f" in flags or "amx_bf16" in flags:
+        return "int4"
+    if "avx2" in flags:
+        return "int8"
+    return "fp32"

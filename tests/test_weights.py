@@ -1,0 +1,163 @@
+"""Weight formats: the int4 layout serves the GGUF's Q4_1 groups, the quantised linears compute what
+their dequantised weights say, and the runner in every format equals HF generate on the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server import cost, models, weights
+from server.runner import BlockRunner
+from tests.test_runner import engine_greedy, greedy_trace, hf_greedy, masks_for, random_prompts, remove_blocks
+
+
+def _weight(n=64, k=96, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+# ---------------------------------------------------------------------------- kernels
+def test_q4_1_rule_round_trips():
+    w = _weight()
+    g = weights.quantize_q4_1(w)
+    assert int(g.q.min()) == 0 and int(g.q.max()) == 15
+    step = g.d.repeat_interleave(weights.GROUP, 1)
+    assert (g.dequantize() - w).abs().le(step / 2 + 1e-6).all()
+    again = weights.quantize_q4_1(g.dequantize())  # a Q4_1 weight re-quantises to its own groups
+    assert torch.equal(again.q, g.q) and torch.equal(again.d, g.d) and torch.equal(again.m, g.m)
+
+
+def test_int4_float32_is_the_q4_1_dequantisation():
+    """torch's int4 kernel computes (q - 8)·scale + zero: with zero = m + 8d it is d·q + m."""
+    g = weights.quantize_q4_1(_weight())
+    x = torch.randn(5, 96)
+    got = weights.Int4Linear(g, None, torch.float32)(x)
+    torch.testing.assert_close(got, x @ g.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_bfloat16_within_rounding():
+    g = weights.quantize_q4_1(_weight())
+    x = torch.randn(5, 96)
+    got = weights.Int4Linear(g, None, torch.bfloat16)(x.bfloat16()).float()
+    ref = x @ g.dequantize().T
+    assert (got - ref).norm() / ref.norm() < 0.01
+
+
+def test_int8_matches_its_dequantised_weight():
+    w = _weight()
+    lin = weights.Int8Linear(w, None, torch.bfloat16)
+    x = torch.randn(3, 96).bfloat16()
+    ref = x.float() @ lin.dequantized().T
+    assert (lin(x).float() - ref).norm() / ref.norm() < 0.01
+    assert (lin.dequantized() - w).abs().max() <= w.abs().max() / 127  # half a step per channel, twice
+
+
+@pytest.mark.parametrize("kind", ["linear", "int8", "int4"])
+def test_fuse_equals_the_parts(kind):
+    parts = [_weight(n, 64, seed=n) for n in (64, 32, 32)]
+    if kind == "linear":
+        mods = []
+        for w in parts:
+            m = torch.nn.Linear(64, w.shape[0], bias=True)
+            m.weight.data, m.bias.data = w.clone(), torch.randn(w.shape[0])
+            mods.append(m)
+        dtype = torch.float32
+    elif kind == "int8":
+        mods, dtype = [weights.Int8Linear(w, torch.randn(w.shape[0]), torch.bfloat16) for w in parts], torch.bfloat16
+    else:
+        mods, dtype = [weights.Int4Linear(weights.quantize_q4_1(w), None, torch.bfloat16) for w in parts], torch.bfloat16
+    x = torch.randn(4, 64).to(dtype)
+    ref = torch.cat([m(x) for m in mods], -1)
+    fused = weights.fuse(mods)
+    torch.testing.assert_close(fused(x), ref, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([m(x) for m in mods], -1), ref, rtol=0, atol=0)  # parts still work
+
+
+# ---------------------------------------------------------------------------- format choice, cost
+def test_resolve_weights():
+    assert models.resolve_weights("auto", "float32") == ("fp32", torch.float32)
+    assert models.resolve_weights("auto", "bfloat16") == ("bf16", torch.bfloat16)
+    assert models.resolve_weights("int4") == ("int4", torch.bfloat16)
+    assert models.resolve_weights("int4", "float32") == ("int4", torch.float32)
+    assert models.resolve_weights("auto")[0] == weights.auto_format()
+    with pytest.raises(models.ModelLoadError):
+        models.resolve_weights("int3")
+
+
+def test_cost_counts_params_alike_and_bytes_per_format(tiny_model_dir, tiny):
+    fp32 = cost.CostModel.from_model(tiny.model)
+    int4 = cost.CostModel.from_model(models.load(str(tiny_model_dir), dtype=torch.bfloat16, weights="int4").model)
+    torch.testing.assert_close(fp32.block_params, int4.block_params)
+    assert fp32.head_params == int4.head_params
+    mask = masks_for(8)["layers_1_2"]
+    assert fp32.compute_saved(mask) == pytest.approx(int4.compute_saved(mask))
+    # fp32 reads 4 bytes a parameter; int4 ~0.6 in the blocks and an int8 lm_head
+    assert fp32.bytes(torch.ones(8, dtype=torch.bool)) == pytest.approx(4 * fp32.params(torch.ones(8, dtype=torch.bool)))
+    assert int4.block_bytes.sum() < 0.2 * fp32.block_bytes.sum()
+    # blocks shrink ~6.4x in int4, the int8 lm_head 4x: skipping blocks saves a smaller share
+    assert 1 < int4.ideal_speedup(mask) < fp32.ideal_speedup(mask)
+
+
+# ---------------------------------------------------------------------------- runner per format
+@pytest.fixture(scope="module", params=[("int8", "bfloat16"), ("int4", "bfloat16"), ("int4", "float32"),
+                                        ("bf16", "bfloat16")])
+def quantised(request, tiny_model_dir):
+    fmt, dtype = request.param
+    return models.load(str(tiny_model_dir), dtype=getattr(torch, dtype), weights=fmt)
+
+
+def test_forward_equals_hf_with_blocks_removed(quantised):
+    """The cache-free forward is bit-exact against HF on the same (quantised) modules."""
+    ids = torch.tensor(random_prompts(1, [30], seed=2))
+    runner = BlockRunner(quantised.model, max_slots=1, max_len=64)
+    for mask in masks_for(8).values():
+        with torch.no_grad():
+            got = runner.forward(ids, mask)
+            ref = remove_blocks(quantised.model, mask)(ids, use_cache=False).logits
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_cached_decode_equals_forward(quantised):
+    """Prefill + decode through the KV cache against the cache-free forward on the same tokens.
+    In bfloat16 attention over a cache and over the whole sequence round differently: a logit of
+    magnitude ~4 may move by one or two bf16 steps (2^-6); a wrong mask moves logits by ~5."""
+    prompt = random_prompts(1, [29], seed=2)[0]
+    runner = BlockRunner(quantised.model, max_slots=2, max_len=64)
+    atol = 1e-4 if runner.dtype == torch.float32 else 2 ** -6 * 4
+    for name in ("mixed", "layers_1_2"):
+        mask = masks_for(8)[name]
+        logits, tokens = greedy_trace(runner, [prompt], [mask], steps=6)
+        with torch.no_grad():
+            full = runner.forward(torch.tensor([prompt + tokens[0, :-1].tolist()]), mask)[0, len(prompt) - 1:]
+        torch.testing.assert_close(logits[0].float(), full.float(), rtol=0, atol=atol)
+
+
+def test_int4_float32_greedy_equals_hf_generate(tiny_model_dir):
+    lm = models.load(str(tiny_model_dir), dtype=torch.float32, weights="int4")
+    prompts = random_prompts(2, [7, 23], seed=1)
+    for mask in (torch.ones(8, dtype=torch.bool), masks_for(8)["mixed"]):
+        ref_model = remove_blocks(lm.model, mask)
+        for prompt, got in zip(prompts, engine_greedy(lm, prompts, [mask] * 2)):
+            assert got == hf_greedy(ref_model, prompt, 16, use_cache=False)
+
+
+def test_int4_float32_equals_the_dequantised_fp32_model(tiny_model_dir):
+    """int4 with float32 activations is the fp32 model whose linears are the Q4_1 dequantisation."""
+    lm = models.load(str(tiny_model_dir), dtype=torch.float32, weights="int4")
+    ref = weights.dequantized_copy(lm.model)
+    ids = torch.tensor(random_prompts(1, [30], seed=2))
+    mask = masks_for(8)["mixed"]
+    with torch.no_grad():
+        got = BlockRunner(lm.model, max_slots=1, max_len=64).forward(ids, mask)
+        want = BlockRunner(ref, max_slots=1, max_len=64).forward(ids, mask)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- the shipped model
+@pytest.mark.real_model
+def test_gguf_q4_1_groups_are_the_served_fp32_weights(real):
+    gguf = models._packaged_gguf(models.PACKAGED_MODELS[models.DEFAULT_MODEL])
+    groups = weights.read_gguf_q4_1(gguf, real.model.config)
+    state = real.model.state_dict()
+    assert len(groups) == 7 * real.model.config.num_hidden_layers
+    for name, g in groups.items():
+        assert torch.equal(g.dequantize(), state[name + ".weight"]), name
