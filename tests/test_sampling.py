@@ -74,7 +74,7 @@ def test_processed_logprobs_equal_the_reference():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(PARAMS), V, generator=g) * 3
     prompts = [torch.randint(V, (6,), generator=g).tolist() for _ in PARAMS]
-    outputs = [torch.randint(V, (5,), generator=g).tolist() for _ in PARAMS]
+    outputs = [torch.randint(8, (6,), generator=g).tolist() for _ in PARAMS]  # with repeats
     params = [SamplingParams(**{**vars(p), "logprobs": MAX_LOGPROBS, "logprobs_mode": "processed"}) for p in PARAMS]
     rows = _rows(params, prompts, outputs)
     out = sample(logits, rows)
