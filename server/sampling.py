@@ -152,9 +152,11 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
     raw = logits.float()
     errors: list[str | None] = [None] * B
 
-    # a row with NaN or +inf fails alone; it is sampled from zeros so no kernel sees the values
-    bad = (torch.isnan(raw) | (raw == math.inf)).any(-1) | (raw == -math.inf).all(-1)
-    if bool(bad.any()):
+    # a row with NaN or +inf (or nothing but -inf) fails alone; it is sampled from zeros so no
+    # kernel sees the values. One pass when every row is finite, the common case.
+    finite = torch.isfinite(raw).all(-1)
+    if not bool(finite.all()):
+        bad = (torch.isnan(raw) | (raw == math.inf)).any(-1) | (raw == -math.inf).all(-1)
         for i in bad.nonzero().flatten().tolist():
             errors[i] = "the model produced non-finite logits"
         raw = torch.where(bad[:, None], torch.zeros((), device=dev), raw)
@@ -170,6 +172,8 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
             rows[i].grammar.fill_bitmask(bitmask, j)
         allowed = unpack_bitmask(bitmask.to(dev), V)
         x[idx] = x[idx].masked_fill(~allowed, -math.inf)
+        for i in idx[~allowed.any(-1)].tolist():
+            errors[i] = errors[i] or "no token is allowed"
 
     # logit bias
     biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items() if 0 <= t < V]
@@ -193,14 +197,15 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
         sub = sub - freq * counts - pres * (counts > 0)
         x[idx] = sub
 
-    nothing = torch.isneginf(x).all(-1)
-    for i in nothing.nonzero().flatten().tolist():
-        errors[i] = errors[i] or "no token is allowed"
-    x[nothing] = 0.0
+    failed = [e is not None for e in errors]
+    if any(failed):
+        x[_rows(failed, dev)] = 0.0
 
     # temperature and filters; greedy rows keep x (argmax is invariant to them)
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)[:, None]
-    x = x / temps
+    scaled = [not p.greedy and p.temperature != 1 for p in params]
+    if any(scaled):
+        idx = _rows(scaled, dev)
+        x[idx] = x[idx] / torch.tensor([params[i].temperature for i in idx.tolist()], device=dev)[:, None]
     minp = [p.min_p > 0 and not p.greedy for p in params]
     if any(minp):
         idx = _rows(minp, dev)
@@ -214,8 +219,11 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
         x[idx] = _top_k_top_p(x[idx], [params[i] for i in idx.tolist()])
 
     # draw: argmax of p / q with q ~ Exp(1) is a sample from p (vLLM's way: no cumsum, one kernel)
-    tokens_t = x.argmax(-1)
     sampled = [not p.greedy for p in params]
+    if all(sampled):
+        tokens_t = torch.empty(B, dtype=torch.long, device=dev)
+    else:
+        tokens_t = x.argmax(-1)  # the greedy rows' tokens; the others are overwritten
     if any(sampled):
         idx = _rows(sampled, dev)
         probs = torch.softmax(x[idx], -1)
