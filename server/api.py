@@ -88,13 +88,13 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
     @v1.post("/completions")
     async def completions(http: Request):
         arrival, served, body = await service.accept(http, protocol.CompletionRequest)
-        prompt = body.prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):  # token ids
+        prompt = body.prompts()[0]
+        if isinstance(prompt, list):  # token ids
             if any(not 0 <= t < served.vocab_size for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {served.vocab_size})", param="prompt")
             ids, text = list(prompt), served.tokenizer.decode(prompt)
         else:
-            text = prompt[0] if isinstance(prompt, list) else prompt
+            text = prompt
             ids = await service.tokenize(served, text, "prompt")
         max_tokens = service.max_tokens(served, body, len(ids), "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
         return await service.generate(http, served, body, ids, text, max_tokens, arrival, chat=False)
@@ -102,8 +102,7 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
     @v1.post("/chat/completions")
     async def chat_completions(http: Request):
         arrival, served, body = await service.accept(http, protocol.ChatCompletionRequest)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        messages = body.template_messages()
         try:
             text = await service.off_loop(lambda: served.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False))

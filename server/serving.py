@@ -27,7 +27,6 @@ from server.errors import APIError, from_validation
 from server.loading import Served, in_own_thread, load_served
 from server.metrics import count_error
 from server.request import Request as EngineRequest
-from server.sampling import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI; chat defaults to what the limit and the context allow
 RETRY_AFTER_FULL_S = 1
@@ -131,6 +130,7 @@ class Service:
         if body.model != served.name:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{served.name}'",
                            param="model", code="model_not_found")
+        _refuse_unserved(body)
         return arrival, served, body
 
     async def tokenize(self, served: Served, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -175,8 +175,7 @@ class Service:
     async def generate(self, http: Request, served: Served, body: protocol.GenerationRequest,
                        prompt_ids: list[int], routing_text: str, max_tokens: int, arrival: float, chat: bool):
         mask_id = self.choose_mask(served, body.igserve.mask)
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+        params = body.sampling_params(max_tokens, served.vocab_size)
         mask = None if mask_id is None else served.masks[mask_id].mask
         req = EngineRequest(prompt_ids, mask, params, mask_id=mask_id, routing_text=routing_text, arrival=arrival)
         try:
@@ -204,6 +203,22 @@ class Service:
         except Exception as exc:
             raise engine_error(exc) from None
         return JSONResponse(reply.response().model_dump())
+
+
+def _refuse_unserved(body: protocol.GenerationRequest) -> None:
+    """A 400 naming a field the protocol accepts but this serving path does not carry out."""
+    chat = isinstance(body, protocol.ChatCompletionRequest)
+    if chat and body.wants_tool_calls():
+        raise APIError(400, "tool calling is not supported: tools are not rendered into the prompt nor parsed "
+                            "from the output (send no tools, or tool_choice 'none')", param="tools")
+    used = [("n", body.n > 1), ("logprobs", body.logprobs_count() is not None),
+            ("response_format", body.response_format_dict() is not None),
+            ("stream_options.continuous_usage_stats", body.continuous_usage()),
+            ("echo", not chat and body.echo), ("prompt", not chat and len(body.prompts()) > 1),
+            ("messages", chat and any(m.tool_calls for m in body.messages))]
+    for param, on in used:
+        if on:
+            raise APIError(400, f"'{param}' is not supported by this server yet", param=param)
 
 
 def _queue_full(engine: AsyncEngine) -> APIError:
