@@ -153,17 +153,23 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
     errors: list[str | None] = [None] * B
 
     # a row with NaN or +inf (or nothing but -inf) fails alone; it is sampled from zeros so no
-    # kernel sees the values. One pass when every row is finite, the common case.
-    finite = torch.isfinite(raw).all(-1)
-    if not bool(finite.all()):
+    # kernel sees the values. A row's sum is finite iff its values are (one reduction; the
+    # elementwise isfinite is four passes on CPU), so only the rare bad step looks closer.
+    if not bool(torch.isfinite(raw.sum(-1)).all()):
         bad = (torch.isnan(raw) | (raw == math.inf)).any(-1) | (raw == -math.inf).all(-1)
         for i in bad.nonzero().flatten().tolist():
             errors[i] = "the model produced non-finite logits"
         raw = torch.where(bad[:, None], torch.zeros((), device=dev), raw)
-    x = raw.clone()
+    constrained = [r.grammar is not None for r in rows]
+    biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items() if 0 <= t < V]
+    pen = [p.penalised for p in params]
+    scaled = [not p.greedy and p.temperature != 1 for p in params]
+    minp = [p.min_p > 0 and not p.greedy for p in params]
+    topkp = [not p.greedy and (0 < p.top_k < V or p.top_p < 1) for p in params]
+    edits = any(constrained) or bool(biased) or any(pen) or any(scaled) or any(minp) or any(topkp)
+    x = raw.clone() if edits else raw  # raw stays for raw logprobs; the caller's logits are never written
 
     # allowed tokens (structured outputs)
-    constrained = [r.grammar is not None for r in rows]
     if any(constrained):
         idx = _rows(constrained, dev)
         words = (V + 31) // 32
@@ -176,14 +182,12 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
             errors[i] = errors[i] or "no token is allowed"
 
     # logit bias
-    biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items() if 0 <= t < V]
     if biased:
         i, t, b = zip(*biased)
         x.index_put_((torch.tensor(i, device=dev), torch.tensor(t, device=dev)),
                      torch.tensor(b, dtype=x.dtype, device=dev), accumulate=True)
 
     # penalties (presence/frequency over the output, repetition over prompt + output)
-    pen = [p.penalised for p in params]
     if any(pen):
         idx = _rows(pen, dev)
         states = [rows[i]._penalty_state(V, dev) for i in idx.tolist()]
@@ -199,21 +203,19 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
 
     failed = [e is not None for e in errors]
     if any(failed):
+        x = x.clone() if x is raw else x
         x[_rows(failed, dev)] = 0.0
 
     # temperature and filters; greedy rows keep x (argmax is invariant to them)
-    scaled = [not p.greedy and p.temperature != 1 for p in params]
     if any(scaled):
         idx = _rows(scaled, dev)
         x[idx] = x[idx] / torch.tensor([params[i].temperature for i in idx.tolist()], device=dev)[:, None]
-    minp = [p.min_p > 0 and not p.greedy for p in params]
     if any(minp):
         idx = _rows(minp, dev)
         sub = x[idx]
         floor = sub.max(-1, keepdim=True).values + torch.tensor(
             [math.log(params[i].min_p) for i in idx.tolist()], device=dev)[:, None]
         x[idx] = sub.masked_fill(sub < floor, -math.inf)
-    topkp = [not p.greedy and (0 < p.top_k < V or p.top_p < 1) for p in params]
     if any(topkp):
         idx = _rows(topkp, dev)
         x[idx] = _top_k_top_p(x[idx], [params[i] for i in idx.tolist()])
@@ -235,6 +237,7 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
         unseeded = torch.tensor([rows[i]._gen(dev) is None for i in idx.tolist()], device=dev)
         if bool(unseeded.any()):
             q[unseeded] = torch.empty_like(q[unseeded]).exponential_()
+        q.clamp_(min=torch.finfo(q.dtype).tiny)  # q = 0 would make a filtered token's 0/0 a NaN, which argmax picks
         tokens_t[idx] = (probs / q).argmax(-1)
     tokens = tokens_t.tolist()
 
