@@ -21,14 +21,14 @@ import torch
 
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
 LOGIT_BIAS_LIMIT = 100.0  # |bias| per token, as OpenAI
-MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy: dividing by it would overflow
+GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy: dividing by it would overflow
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes, end exclusive
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # below MIN_TEMPERATURE: greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -44,7 +44,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalised(self) -> bool:
