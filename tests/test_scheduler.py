@@ -196,10 +196,10 @@ def test_non_finite_logits_fail_only_their_row(tokenizer):
 def test_sampling_and_detokenising_failures_fail_only_their_row(tokenizer, monkeypatch):
     real_sample = engine_module.sample
 
-    def sample(logits, params, generators):
-        if any(p.seed == 666 for p in params):
+    def sample(logits, rows):
+        if any(r.params.seed == 666 for r in rows):
             raise RuntimeError("sampler bug")
-        return real_sample(logits, params, generators)
+        return real_sample(logits, rows)
 
     monkeypatch.setattr(engine_module, "sample", sample)
     eng = LLMEngine(FakeRunner(), tokenizer)
