@@ -12,11 +12,12 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StringConstraints, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.errors import APIError
-from server.sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from server.sampling import (LOGIT_BIAS_LIMIT, MAX_LOGPROBS, REPETITION_PENALTY_RANGE, SEED_RANGE,
+                             SamplingParams)
 
 MAX_STOP_SEQUENCES = 64  # OpenAI allows 4, vLLM has no cap; lm-eval sends a task's whole "until" list
 MAX_N = 16  # choices per prompt
@@ -27,15 +28,16 @@ IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_ca
                   "safety_identifier")
 
 
-def _one_of(check, description: str):
-    """A field that accepts the JSON shapes ``check`` allows, with one clear error otherwise."""
+def _one_of(check, description: str, shape):
+    """A field that accepts the JSON shapes ``check`` allows, with one clear error otherwise;
+    ``shape`` (a type) is what /openapi.json says it takes."""
 
     def validate(value):
         if not check(value):
             raise PydanticCustomError("invalid_type", f"must be {description}")
         return value
 
-    return PlainValidator(validate)
+    return PlainValidator(validate, json_schema_input_type=shape)
 
 
 def _is_int(v) -> bool:
@@ -78,6 +80,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+# The shapes /openapi.json gives for the fields checked by hand (_one_of)
+_TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
+_Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
+_Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+_PromptShape = (str | _Ids | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+                | Annotated[list[_Ids], Field(min_length=1, max_length=MAX_PROMPTS)])
+_StopShape = str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ToolName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolName
+
+
 # ---------------------------------------------------------------------------- requests
 class IgserveOptions(_Strict):
     mask: str = "auto"  # "auto" (route on the input), "dense", or a mask id of the bank
@@ -116,11 +141,12 @@ class GenerationRequest(_Strict):
     min_p: float = Field(0.0, ge=0, le=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     logit_bias: Annotated[dict[str, float] | None, _one_of(
-        _is_logit_bias, f"an object mapping token ids to biases in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")] = None
+        _is_logit_bias, f"an object mapping token ids to biases in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+        dict[_TokenKey, _Bias] | None)] = None
     stop: Annotated[str | list[str] | None, _one_of(_is_stop, f"a string or an array of at most "
-                                                                f"{MAX_STOP_SEQUENCES} strings")] = None
+                                                                f"{MAX_STOP_SEQUENCES} strings", _StopShape)] = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -177,7 +203,8 @@ class GenerationRequest(_Strict):
 
 class CompletionRequest(GenerationRequest):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], _one_of(
-        _is_prompt, f"a string, an array of token ids, or an array of at most {MAX_PROMPTS} of either")]
+        _is_prompt, f"a string, an array of token ids, or an array of at most {MAX_PROMPTS} of either",
+        _PromptShape)]
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
@@ -225,22 +252,11 @@ class ToolCall(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[dict] | None, _one_of(_is_content, "a string or an array of text parts "
-                                                                     '({"type": "text", "text": ...})')] = None
+                                                                     '({"type": "text", "text": ...})',
+                                                        str | list[TextPart] | None)] = None
     name: str | None = None
-    tool_call_id: str | None = None  # tool messages: the call they answer
+    tool_call_id: str | None = None  # tool messages: the call they answer (rendered for those only)
     tool_calls: list[ToolCall] | None = None  # assistant messages
-
-    @model_validator(mode="after")
-    def _tool_fields(self):
-        if self.role == "tool" and self.tool_call_id is None:
-            raise PydanticCustomError("missing", "tool messages need tool_call_id", {"param": "tool_call_id"})
-        if self.role != "tool" and self.tool_call_id is not None:
-            raise PydanticCustomError("invalid_value", "only tool messages have tool_call_id",
-                                      {"param": "tool_call_id"})
-        if self.role != "assistant" and self.tool_calls is not None:
-            raise PydanticCustomError("invalid_value", "only assistant messages have tool_calls",
-                                      {"param": "tool_calls"})
-        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -250,7 +266,7 @@ class ChatMessage(_Strict):
     def template_dict(self) -> dict:
         """The message as chat templates take it (developer is the system role to them)."""
         out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.tool_call_id is not None:
+        if self.role == "tool" and self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
@@ -282,8 +298,9 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
-    tool_choice: Annotated[str | dict | None, _one_of(_is_tool_choice, '"none", "auto", "required" or '
-                                                        '{"type": "function", "function": {"name": ...}}')] = None
+    tool_choice: Annotated[str | dict | None, _one_of(
+        _is_tool_choice, '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        Literal["none", "auto", "required"] | NamedToolChoice | None)] = None
     parallel_tool_calls: bool | None = None  # ignored: no tool calls are generated
 
     @model_validator(mode="after")

@@ -23,6 +23,8 @@ MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
 LOGIT_BIAS_LIMIT = 100.0  # |bias| per token, as OpenAI
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy: dividing by it would overflow
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes, end exclusive
+# vLLM takes any positive value; beyond these float32 turns a penalised logit of 0 into NaN (0 * inf)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -61,7 +63,8 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1),
             ("presence_penalty", -2 <= self.presence_penalty <= 2),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2),
-            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0),
+            ("repetition_penalty", REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty
+             <= REPETITION_PENALTY_RANGE[1]),
             ("logit_bias", all(isinstance(t, int) and 0 <= t < vocab_size and abs(b) <= LOGIT_BIAS_LIMIT
                                for t, b in self.logit_bias.items())),
             ("seed", self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),

@@ -209,7 +209,8 @@ def test_penalties_top_k_min_p_and_logit_bias_match_the_engine(client, model, ti
     dense = torch.ones(8, dtype=torch.bool)
     extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.3)
     r = client.completions.create(model=model, prompt=PROMPTS["chat"], max_tokens=12, temperature=0.8, seed=7,
-                                  presence_penalty=0.6, frequency_penalty=0.4, extra_body={**extra, **mask_body("dense")})
+                                  presence_penalty=0.6, frequency_penalty=0.4,
+                                  extra_body={**extra, **mask_body("dense")})
     ref = run_alone(tiny, ids, dense, max_tokens=12, temperature=0.8, seed=7, presence_penalty=0.6,
                     frequency_penalty=0.4, **extra)
     assert r.choices[0].text == ref.text

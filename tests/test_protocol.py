@@ -48,6 +48,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [-1]}, "prompt"), ({"prompt": ["x"] * (protocol.MAX_PROMPTS + 1)}, "prompt"),
     ({"prompt": [True]}, "prompt"), ({"presence_penalty": 2.1}, "presence_penalty"),
     ({"frequency_penalty": "1"}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty"), ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_p": 1.5}, "min_p"),
     ({"logit_bias": {"a": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
     ({"logit_bias": {"1": "1"}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
@@ -101,9 +102,9 @@ GOOD_CHAT = [
 ]
 BAD_CHAT = [
     ({"top_logprobs": 3}, "top_logprobs"), ({"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
-    ({"logprobs": 1}, "logprobs"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0]"),
+    ({"logprobs": 1}, "logprobs"), ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 1}]},
+                                    "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]}, "messages[0].tool_calls[0].function"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"), ({"tool_choice": "always"}, "tool_choice"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"), ({"echo": True}, "echo"),
