@@ -23,7 +23,7 @@ from router.router import Router
 from server.detokenizer import Detokenizer, backend
 from server.request import Request
 from server.runner import BlockRunner
-from server.sampling import sample
+from server.sampling import RowState, sample
 from server.scheduler import Chunk, Scheduler
 
 __all__ = ["LLMEngine", "Request", "StepOutput"]
@@ -115,7 +115,7 @@ class LLMEngine:
                              f"{self.runner.max_len}")
         if request.mask is None and (self.router is None or request.routing_text is None):
             raise ValueError("a request without a mask needs a routing text and an engine with a router")
-        request.generator = request.params.generator(self.runner.device)
+        request.sampling = RowState(request.params, request.prompt_ids)
         request.detokenizer = Detokenizer(self._backend, request.params.stop)
         self.scheduler.add(request)
 
@@ -185,12 +185,20 @@ class LLMEngine:
         keep = [i for i, ok in enumerate(finite) if ok]
         batch, logits = [batch[i] for i in keep], logits[keep]
         try:
-            tokens = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+            sampled = sample(logits, [r.sampling for r in batch])
+            tokens = sampled.tokens
+            for i, err in enumerate(sampled.errors):  # a row the sampler failed (no token allowed)
+                if err is not None:
+                    tokens[i] = None
+                    outputs.append(self._fail(batch[i], RequestFailed(err)))
         except Exception:  # find the row(s) at fault; the others still get their token
             tokens = []
             for i, req in enumerate(batch):
                 try:
-                    tokens += sample(logits[i:i + 1], [req.params], [req.generator])
+                    alone = sample(logits[i:i + 1], [req.sampling])
+                    if alone.errors[0] is not None:
+                        raise RuntimeError(alone.errors[0])
+                    tokens += alone.tokens
                 except Exception as exc:
                     log.exception("sampling failed for %s", req.request_id)
                     tokens.append(None)
@@ -209,6 +217,9 @@ class LLMEngine:
     def _append(self, req: Request, tok: int, now: float) -> StepOutput:
         req.first_token_time = req.first_token_time or now
         req.output_ids.append(tok)
+        rejected = req.sampling.append(tok)  # penalty counts; the grammar, where there is one
+        if rejected is not None:
+            return self._fail(req, RequestFailed(rejected))
         p = req.params
         if tok in self.eos_ids and not p.ignore_eos:
             req.finish_reason = "stop"

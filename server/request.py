@@ -14,7 +14,7 @@ import torch
 
 from router.router import Route
 from server.detokenizer import Detokenizer
-from server.sampling import SamplingParams
+from server.sampling import RowState, SamplingParams
 
 _ids = itertools.count()
 
@@ -37,7 +37,7 @@ class Request:
     error: BaseException | None = None  # why the request failed (finish_reason "error")
     first_token_time: float | None = None
     scheduled_time: float | None = None
-    generator: torch.Generator | None = None
+    sampling: RowState | None = None  # penalties' token counts, seeded generator, grammar
     detokenizer: Detokenizer | None = None
 
     @property

@@ -28,7 +28,6 @@ from server.errors import APIError, from_validation
 from server.loading import Loaded, in_own_thread, load_served
 from server.metrics import count_error
 from server.request import Request as EngineRequest
-from server.sampling import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI; chat defaults to what the limit and the context allow
 RETRY_AFTER_FULL_S = 1
@@ -145,17 +144,16 @@ class OpenAIServing:
 
     async def prompt_of(self, loaded: Loaded, body: protocol.CompletionRequest) -> tuple[list[int], str]:
         """Token ids and routing text of a completion prompt (text or token ids)."""
-        prompt = body.prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):  # token ids
+        prompt = body.prompts()[0]
+        if isinstance(prompt, list):  # token ids
             self.check_token_ids(loaded, prompt, "prompt")
             return list(prompt), loaded.tokenizer.decode(prompt)
-        text = prompt[0] if isinstance(prompt, list) else prompt
-        return await self.tokenize(loaded, text, "prompt"), text
+        return await self.tokenize(loaded, prompt, "prompt"), prompt
 
     async def chat_prompt(self, loaded: Loaded, messages: list[protocol.ChatMessage],
                           add_generation_prompt: bool = True) -> tuple[list[int], list[dict]]:
         """Token ids of chat messages rendered with the model's template, and the messages as dicts."""
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        turns = [m.template_dict() for m in messages]
         try:
             text = await self.off_loop(lambda: loaded.tokenizer.apply_chat_template(
                 turns, add_generation_prompt=add_generation_prompt, tokenize=False))
@@ -227,9 +225,9 @@ class OpenAIServing:
 
     async def generate(self, http: Request, loaded: Loaded, body: protocol.GenerationRequest,
                        prompt_ids: list[int], routing_text: str, max_tokens: int, arrival: float, chat: bool):
+        _refuse_unserved(body)
         mask_id = self.choose_mask(loaded, body.igserve.mask)
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+        params = body.sampling_params(max_tokens, loaded.vocab_size)
         mask = None if mask_id is None else loaded.masks[mask_id].mask
         req = EngineRequest(prompt_ids, mask, params, mask_id=mask_id, routing_text=routing_text, arrival=arrival,
                             request_id=protocol.new_id("chatcmpl" if chat else "cmpl"))
@@ -258,6 +256,22 @@ class OpenAIServing:
         except Exception as exc:
             raise engine_error(exc) from None
         return JSONResponse(reply.response().model_dump())
+
+
+def _refuse_unserved(body: protocol.GenerationRequest) -> None:
+    """A 400 naming a field the protocol accepts but this serving path does not carry out."""
+    chat = isinstance(body, protocol.ChatCompletionRequest)
+    if chat and body.wants_tool_calls():
+        raise APIError(400, "tool calling is not supported: tools are not rendered into the prompt nor parsed "
+                            "from the output (send no tools, or tool_choice 'none')", param="tools")
+    used = [("n", body.n > 1), ("logprobs", body.logprobs_count() is not None),
+            ("response_format", body.response_format_dict() is not None),
+            ("stream_options.continuous_usage_stats", body.continuous_usage()),
+            ("echo", not chat and body.echo), ("prompt", not chat and len(body.prompts()) > 1),
+            ("messages", chat and any(m.tool_calls for m in body.messages))]
+    for param, on in used:
+        if on:
+            raise APIError(400, f"'{param}' is not supported by this server yet", param=param)
 
 
 def _queue_full(engine: AsyncEngine) -> APIError:

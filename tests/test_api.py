@@ -24,7 +24,7 @@ import torch
 from conftest import TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, metric_value
 
 from router.router import Router, chat_routing_text
-from server import api, loading, serving
+from server import api, loading, protocol, serving
 from server.engine import LLMEngine, Request
 from server.runner import BlockRunner
 from server.sampling import SamplingParams
@@ -204,6 +204,37 @@ def test_seeded_sampling_matches_the_engine(client, model, tiny):
     assert texts[0] != texts[1]
 
 
+def test_penalties_top_k_min_p_and_logit_bias_match_the_engine(client, model, tiny):
+    ids = tiny.tokenizer(PROMPTS["chat"])["input_ids"]
+    dense = torch.ones(8, dtype=torch.bool)
+    extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.3)
+    r = client.completions.create(model=model, prompt=PROMPTS["chat"], max_tokens=12, temperature=0.8, seed=7,
+                                  presence_penalty=0.6, frequency_penalty=0.4,
+                                  extra_body={**extra, **mask_body("dense")})
+    ref = run_alone(tiny, ids, dense, max_tokens=12, temperature=0.8, seed=7, presence_penalty=0.6,
+                    frequency_penalty=0.4, **extra)
+    assert r.choices[0].text == ref.text
+    assert run_alone(tiny, ids, dense, max_tokens=12, temperature=0.8, seed=7).text != ref.text  # the fields bite
+    # +100 on one token makes greedy decoding repeat it; the ignored fields change nothing
+    r = client.completions.create(model=model, prompt=PROMPTS["chat"], max_tokens=4, temperature=0,
+                                  logit_bias={"1000": 100}, user="u",
+                                  extra_body={"store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+                                              **mask_body("dense")})
+    assert r.choices[0].text == tiny.tokenizer.decode([1000] * 4, skip_special_tokens=True)
+
+
+def test_tool_messages_render_through_the_chat_template(client, model, tiny):
+    messages = [{"role": "user", "content": "What is 6 * 7?"},
+                {"role": "tool", "content": "42", "tool_call_id": "call-1"}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                       tools=[{"type": "function", "function": {"name": "calc"}}], tool_choice="none",
+                                       parallel_tool_calls=False, extra_body=mask_body("dense"))
+    ids = chat_ids(tiny, messages)
+    assert "<|im_start|>tool" in tiny.tokenizer.decode(ids)
+    ref = run_alone(tiny, ids, torch.ones(8, dtype=torch.bool), max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == len(ids)
+
+
 # ---------------------------------------------------------------------------- batching
 def test_concurrent_requests_with_different_masks_equal_each_alone(client, model, tiny_bank):
     """More requests than slots (4), mixed masks, lengths, sampling and streaming: joins and
@@ -305,7 +336,7 @@ ERROR_CASES = [
     ("/chat/completions", {"max_completion_tokens": 500}, 400, "max_completion_tokens", None),
     ("/completions", {"n": 2}, 400, "n", None),
     ("/completions", {"stop": 5}, 400, "stop", None),
-    ("/completions", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ("/completions", {"stop": ["a"] * (protocol.MAX_STOP_SEQUENCES + 1)}, 400, "stop", None),
     ("/completions", {"seed": "x"}, 400, "seed", None),
     ("/completions", {"stream": "yes"}, 400, "stream", None),
     ("/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options", None),
@@ -328,7 +359,14 @@ ERROR_CASES = [
     ("/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
     ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages[0].content", None),
-    ("/chat/completions", {"tools": []}, 400, "tools", None),
+    ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ("/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools[0].function", None),
+    ("/chat/completions", {"logprobs": True}, 400, "logprobs", None),
+    ("/completions", {"echo": True, "max_tokens": 0}, 400, "echo", None),
+    ("/completions", {"response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ("/completions", {"logit_bias": {"49152": 1}}, 400, "logit_bias", None),
+    ("/completions", {"frequency_penalty": 2.5}, 400, "frequency_penalty", None),
+    ("/completions", {"tools": []}, 400, "tools", None),  # completions have no tools: unknown field
 ]
 
 

@@ -196,10 +196,10 @@ def test_non_finite_logits_fail_only_their_row(tokenizer):
 def test_sampling_and_detokenising_failures_fail_only_their_row(tokenizer, monkeypatch):
     real_sample = engine_module.sample
 
-    def sample(logits, params, generators):
-        if any(p.seed == 666 for p in params):
+    def sample(logits, rows):
+        if any(r.params.seed == 666 for r in rows):
             raise RuntimeError("sampler bug")
-        return real_sample(logits, params, generators)
+        return real_sample(logits, rows)
 
     monkeypatch.setattr(engine_module, "sample", sample)
     eng = LLMEngine(FakeRunner(), tokenizer)
@@ -211,6 +211,34 @@ def test_sampling_and_detokenising_failures_fail_only_their_row(tokenizer, monke
     eng.generate([good, bad_sample])
     assert bad_sample.finish_reason == "error" and "sampling" in str(bad_sample.error)
     assert bad_text.finish_reason == "error" and "detokenising" in str(bad_text.error)
+    assert good.output_ids == alone(tokenizer, good)
+
+
+class _Allow:
+    """A grammar stand-in that allows a fixed set of tokens (ids below 31: one int32 bit each)."""
+
+    def __init__(self, allowed: set[int]):
+        self.allowed = allowed
+
+    def fill_bitmask(self, bitmask, index):
+        for t in self.allowed:
+            bitmask[index, t // 32] |= 1 << (t % 32)
+
+    def accept_token(self, token):
+        return token in self.allowed
+
+
+def test_grammars_constrain_their_rows_and_a_row_with_no_allowed_token_fails_alone(tokenizer):
+    eng = LLMEngine(FakeRunner(), tokenizer)
+    good, boxed, empty = make(4, first=1000), make(4, first=2000), make(4, first=3000)
+    for req in (good, boxed, empty):
+        eng.add(req)
+    boxed.sampling.grammar = _Allow({7, 20})
+    empty.sampling.grammar = _Allow(set())
+    while eng.has_work():
+        eng.step()
+    assert empty.finish_reason == "error" and "no token is allowed" in str(empty.error)
+    assert boxed.finish_reason == "length" and set(boxed.output_ids) <= {7, 20}
     assert good.output_ids == alone(tokenizer, good)
 
 
