@@ -102,7 +102,7 @@ def score_documents(runner, tokenizer, fingerprint: str, texts: list[str], masks
         got = _with_kl(runner, tokenizer, [texts[i] for i in idx], {m: masks[m] for m in todo}, max_len, batch_size)
         for m, rows in got.items():
             store.put(masks[m], {hashes[i]: r for i, r in zip(idx, rows)})
-    for m, idx in tqdm(list(todo.items()) if not kl else [], desc="labels (NLL per mask)", unit="mask"):
+    for m, idx in ([] if kl or not todo else tqdm(list(todo.items()), desc="labels (NLL per mask)", unit="mask")):
         rows = _nll_only(runner, tokenizer, [texts[i] for i in idx], masks[m], max_len, batch_size)
         store.put(masks[m], {hashes[i]: r for i, r in zip(idx, rows)})
     first = store.get(next(iter(masks.values())))

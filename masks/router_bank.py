@@ -84,6 +84,22 @@ def max_loss_for(oof: torch.Tensor, ids: list[str], specs: dict[str, dict], save
     return round(grid[lo], 6)
 
 
+def learned_fallback(oof: torch.Tensor, excess: torch.Tensor, tokens: torch.Tensor, far: torch.Tensor,
+                     ids: list[str], specs: dict[str, dict]) -> dict:
+    """Whether the learned router should fall back too: on the calibration documents beyond the OOD
+    distance, the excess loss of its out-of-fold choice against the global mask's, per budget."""
+    out = {}
+    for b, spec in specs.items():
+        cols = torch.tensor([ids.index(m) for m in spec["candidates"]])
+        pick = cols[oof[:, cols].argmin(1)]
+        w = tokens[far]
+        learned = float((excess.gather(1, pick[:, None]).squeeze(1)[far] * w).sum() / w.sum()) if far.any() else 0.0
+        fallback = float((excess[far, ids.index(spec["global"])] * w).sum() / w.sum()) if far.any() else 0.0
+        out[b] = {"documents": int(far.sum()), "learned": round(learned, 5), "global": round(fallback, 5)}
+    return {"learned": bool(far.any()) and sum(v["global"] for v in out.values()) < sum(v["learned"] for v in out.values()),
+            "learned_check": out}
+
+
 def ood_threshold(centroids: torch.Tensor, emb: torch.Tensor, quantile: float) -> float:
     """Cosine distance to the nearest centroid that ``quantile`` of the calibration documents stay within."""
     dist = 1.0 - (emb @ centroids.T).max(1).values
@@ -124,9 +140,13 @@ def build_routed_bank(source: MaskBank, pool: dict[str, dict], docs: list[dict],
     emb = _embed_cached([d["text"] for d in docs], args.cache)
     router = select_router(emb, excess.float(), tokens.float(), ids, specs, centroids, args.seed)
     oof = router.pop("_oof")
+    threshold = ood_threshold(centroids, _embed_cached([d["text"] for d in load_documents(args.data)], args.cache),
+                              args.ood_quantile)
+    far = (1.0 - (emb @ centroids.T).max(1).values) > threshold
+    ood = {"distance": threshold, "quantile": args.ood_quantile,
+           **learned_fallback(oof, excess.float(), tokens.float(), far, ids, specs)}
     router["max_loss_for_budget"] = {b: max_loss_for(oof, ids, specs, saved, saved[mask_name("greedy", float(b))])
                                      for b in specs}
-    calib = _embed_cached([d["text"] for d in load_documents(args.data)], args.cache)
     d = specs[f"{default:g}"]
     static = [k for k in d["candidates"] if pool[k]["kind"] == "static"]
     training = {**source.training, "source_bank": str(args.bank), "router_seed": args.seed}
@@ -137,6 +157,5 @@ def build_routed_bank(source: MaskBank, pool: dict[str, dict], docs: list[dict],
         training=training, calibration_docs=source.calibration_docs,
         pool={k: {**{f: v for f, v in p.items() if f != "mask"}, "mask": p["mask"].tolist()} for k, p in pool.items()},
         budgets=specs, router=router,
-        ood={"distance": ood_threshold(centroids, calib, args.ood_quantile), "quantile": args.ood_quantile,
-             "documents": len(calib)},
+        ood=ood,
     )

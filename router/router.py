@@ -79,7 +79,9 @@ class Router:
         self.mask_ids = list(bank.mask_ids)
         self.budgets = bank.budget_list()
         self.default_budget = float(bank.sparsity)
-        self.ood_distance = bank.ood.get("distance") if ood else None
+        # The learned router falls back only where the bank says it helps on far calibration documents.
+        applies = ood and (self.method == "centroid" or bank.ood.get("learned", True))
+        self.ood_distance = bank.ood.get("distance") if applies else None
 
     @property
     def encoder(self):

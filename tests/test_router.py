@@ -185,6 +185,9 @@ def test_out_of_distribution_texts_fall_back_to_the_global_mask(tiny_bank):
     assert routes[0].mask_id == "math@0.125" and not routes[0].fallback  # its own centroid: distance ~0
     assert routes[1].distance > 0.2 and routes[1].fallback and routes[1].mask_id == "global@0.25"
     assert not Router(bank, ood=False).route([NEW_TEXTS["chat"]])[0].fallback
+    bank.ood["learned"] = False  # the build found the learned choice better than the global mask far out
+    assert not Router(bank).route([NEW_TEXTS["chat"]])[0].fallback
+    assert Router(bank, method="centroid").route([NEW_TEXTS["chat"]])[0].fallback
 
 
 def test_mask_tensors_are_made_once_and_shared(tiny_bank):
