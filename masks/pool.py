@@ -63,18 +63,17 @@ def cluster_masks(bank: MaskBank, sparsity: float, core: int = 0) -> dict[str, t
 
 
 def candidate_pool(bank: MaskBank, budgets: list[float], cores: dict[float, int] | None = None) -> dict[str, dict]:
-    """{id: {"budget", "mask" (bool tensor), "kind", "cluster"?}} for every budget: cluster masks,
-    static masks and (where ``cores`` gives a core size) shared-core cluster masks."""
+    """{id: {"budget", "mask" (bool tensor), "kind", "cluster"}} for every budget: one mask per cluster
+    and the static masks. Where ``cores`` gives a core size for a budget, its cluster masks are the
+    shared-core masks (ids 'core<n>-<cluster>@<budget>', kind "core"), which batch well."""
     pool = {}
     for s in budgets:
-        for cid, m in cluster_masks(bank, s).items():
-            pool[mask_name(cid, s)] = {"budget": s, "mask": m, "kind": "cluster", "cluster": cid}
+        core = (cores or {}).get(s, 0)
+        for cid, m in cluster_masks(bank, s, core).items():
+            name = f"core{core}-{cid}" if core else cid
+            pool[mask_name(name, s)] = {"budget": s, "mask": m, "kind": "core" if core else "cluster", "cluster": cid}
         for name, m in static_masks(bank, s).items():
             pool[mask_name(name, s)] = {"budget": s, "mask": m, "kind": "static"}
-        core = (cores or {}).get(s, 0)
-        if core:
-            for cid, m in cluster_masks(bank, s, core).items():
-                pool[mask_name(f"core{core}-{cid}", s)] = {"budget": s, "mask": m, "kind": "core", "cluster": cid}
     return pool
 
 

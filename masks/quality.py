@@ -141,9 +141,9 @@ def evaluate(lm, bank: MaskBank, questions: list[str], n_tokens: int, extra: lis
     from server.runner import BlockRunner
 
     tok = lm.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in questions]
-    prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]  # as the server encodes a chat
     end_id = tok.convert_tokens_to_ids(END)
     runner = BlockRunner(lm.model, max_slots=len(prompts), max_len=max(map(len, prompts)) + n_tokens + 1)
     tensors = dict(bank.mask_tensors())

@@ -21,7 +21,8 @@ def excess_per_token(labels: dict, ids: list[str]) -> tuple[torch.Tensor, torch.
 
 def budget_specs(pool: dict[str, dict], budgets: list[float], cluster_ids: list[str]) -> dict[str, dict]:
     """Per budget: cluster masks aligned with the centroids, every candidate of that budget, the global mask."""
-    return {f"{s:g}": {"cluster_masks": [mask_name(c, s) for c in cluster_ids],
+    by_cluster = {(p["budget"], p["cluster"]): k for k, p in pool.items() if "cluster" in p}
+    return {f"{s:g}": {"cluster_masks": [by_cluster[s, c] for c in cluster_ids],
                        "candidates": [k for k, p in pool.items() if p["budget"] == s],
                        "global": mask_name("greedy", s)} for s in budgets}
 

@@ -47,8 +47,9 @@ def test_shared_core_masks_all_skip_the_core():
     assert shared_skips(list(core.values())) == 2
     assert shared_skips(list(cluster_masks(bank, 0.375).values())) == 1  # without the core: only block 1
     pool = candidate_pool(bank, [0.25, 0.375], {0.375: 2})
-    assert set(pool) == {f"{n}@{s}" for s in ("0.25", "0.375") for n in ("c0", "c1", "greedy", "shortgpt", "static_l0")} \
-        | {"core2-c0@0.375", "core2-c1@0.375"}
+    assert set(pool) == {f"{n}@{s}" for s in ("0.25", "0.375") for n in ("greedy", "shortgpt", "static_l0")} \
+        | {"c0@0.25", "c1@0.25", "core2-c0@0.375", "core2-c1@0.375"}
+    assert pool["core2-c1@0.375"]["kind"] == "core" and pool["core2-c1@0.375"]["cluster"] == "c1"
     assert all(int((~p["mask"]).sum()) == round(p["budget"] * 8) for p in pool.values())
 
 
