@@ -28,9 +28,10 @@ from tqdm import tqdm
 
 from masks.bank import DENSE, MaskBank
 from masks.corpus import load_domain_dir
-from masks.train import tokenize
+from masks.labels import score_documents
 
 STATIC = ("static_l0", "shortgpt", "greedy")
+ROUTED = ("ig", "ig_centroid", "ig_no_ood", "ig_learned_clusters", "ig_learned_clusters_static", "ig_max_loss")
 METHODS = (DENSE, "ig", *STATIC, "oracle", "random")
 
 
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name or HF directory")
     parser.add_argument("--bank", type=Path, required=True, help="mask bank JSON")
+    parser.add_argument("--budget", type=float, help="budget to evaluate (default: the bank's default budget)")
     parser.add_argument("--data", type=Path, required=True, help="folder of <domain>.jsonl|.txt held-out documents")
     parser.add_argument("--json", type=Path, required=True, help="report to write")
     parser.add_argument("--plot", type=Path, help="PNG of the report")
@@ -47,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-routing control")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--cache", type=Path, help="per-document score cache (e.g. data/eval-cache)")
+    parser.add_argument("--seed-from", type=Path, nargs="*", default=[],
+                        help="earlier reports whose per-document scores (of their bank's masks) fill the cache")
 
 
 @torch.no_grad()
@@ -65,16 +70,44 @@ def score_batch(runner, ids: torch.Tensor, valid: torch.Tensor, masks: dict[str,
     return out
 
 
-def _choose(bank: MaskBank, results: list[dict], routes: list[str], seed: int) -> dict[str, list[str]]:
+def route_methods(bank: MaskBank, emb: torch.Tensor, sparsity: float) -> dict[str, list[str]]:
+    """Mask id per document for every routing method the bank supports, at one budget."""
+    from router.router import Router
+
+    n, budgets = len(emb), [sparsity] * len(emb)
+    centroid = Router(bank, method="centroid", ood=False)
+    out = {"ig_centroid": [r.mask_id for r in centroid.route_embedded(emb, budgets, [None] * n)]}
+    if bank.router.get("kind") not in ("ridge", "knn"):
+        return {"ig": out["ig_centroid"], **out}
+    learned = Router(bank)
+    out["ig"] = [r.mask_id for r in learned.route_embedded(emb, budgets, [None] * n)]
+    out["ig_no_ood"] = [r.mask_id for r in Router(bank, ood=False).route_embedded(emb, budgets, [None] * n)]
+    pred = dict(zip(learned.predictor.candidates, learned.predictor.predict(emb).T))
+    static = list(bank.static_ids(sparsity).values())
+    for name, ids in (("ig_learned_clusters", bank.cluster_ids(sparsity)),
+                      ("ig_learned_clusters_static", bank.cluster_ids(sparsity) + static)):
+        table = torch.stack([pred[m] for m in ids], 1)
+        out[name] = [ids[j] for j in table.argmin(1).tolist()]
+    x = bank.router.get("max_loss_for_budget", {}).get(f"{sparsity:g}")
+    if x is not None:
+        out["ig_max_loss"] = [r.mask_id for r in learned.route_embedded(emb, [None] * n, [x] * n)]
+    return out
+
+
+def _choose(bank: MaskBank, sparsity: float, results: list[dict], routes: dict[str, list[str]],
+            seed: int) -> dict[str, list[str]]:
     """Mask id used for each document by each method."""
     gen = torch.Generator().manual_seed(seed)
-    random_pick = torch.randint(len(bank.mask_ids), (len(results),), generator=gen).tolist()
-    return {
-        **{m: [m] * len(results) for m in (DENSE, *STATIC)},
-        "ig": routes,
-        "oracle": [min(bank.mask_ids, key=lambda m: r["nll"][m]) for r in results],
-        "random": [bank.mask_ids[i] for i in random_pick],
-    }
+    clusters, pool = bank.cluster_ids(sparsity), bank.candidate_ids(sparsity)
+    random_pick = torch.randint(len(clusters), (len(results),), generator=gen).tolist()
+    chosen = {DENSE: [DENSE] * len(results),
+              **{name: [m] * len(results) for name, m in bank.static_ids(sparsity).items()},
+              **routes,
+              "oracle": [min(clusters, key=lambda m: r["nll"][m]) for r in results],
+              "random": [clusters[i] for i in random_pick]}
+    if pool != clusters:
+        chosen["oracle_pool"] = [min(pool, key=lambda m: r["nll"][m]) for r in results]
+    return chosen
 
 
 def _paired_bootstrap(results: list[dict], a: list[str], b: list[str], seed: int, rounds: int = 2000) -> list[float]:
@@ -94,54 +127,81 @@ def _totals(rows: list[tuple[dict, str]]) -> dict:
     return {"ppl": math.exp(nll / tokens), "kl": kl / tokens, "tokens": tokens}
 
 
-def evaluate_bank(runner, tokenizer, bank: MaskBank, domains: dict[str, list[str]], routes: dict[str, list[str]],
-                  max_len: int = 128, batch_size: int = 8, seed: int = 0) -> dict:
-    """Score every document under every mask, then aggregate each method per domain and overall."""
-    masks = {m: bank.mask(m) for m in (DENSE, *bank.mask_ids, *STATIC)}
-    saved = {m: runner.cost.compute_saved(mask) for m, mask in masks.items()}
-    results, doc_domain = [], []
-    batches = [(d, texts[i : i + batch_size]) for d, texts in domains.items() for i in range(0, len(texts), batch_size)]
-    for domain, texts in tqdm(batches, desc="eval batches", unit="batch"):
-        ids, valid = tokenize(tokenizer, texts, max_len)
-        scores = score_batch(runner, ids, valid, masks)
-        tokens = (valid[:, 1:] & valid[:, :-1]).sum(1).tolist()
-        for i, n in enumerate(tokens):
-            results.append({"tokens": n, "nll": {m: float(s["nll"][i]) for m, s in scores.items()},
-                            "kl": {m: float(s["kl"][i]) for m, s in scores.items()}})
-            doc_domain.append(domain)
-    chosen = _choose(bank, results, [r for d in domains for r in routes[d]], seed)
+def _counts(ids: list[str]) -> dict[str, int]:
+    return {m: ids.count(m) for m in sorted(set(ids))}
 
+
+def _per_document(scores: dict) -> list[dict]:
+    return [{"tokens": n, "nll": {m: v[i] for m, v in scores["nll"].items()},
+             "kl": {m: v[i] for m, v in scores["kl"].items()}} for i, n in enumerate(scores["tokens"])]
+
+
+def _method_rows(chosen: dict[str, list[str]], results: list[dict], doc_domain: list[str], domains,
+                 saved: dict[str, float]) -> dict:
     methods = {}
-    for method in METHODS:
-        rows = list(zip(results, chosen[method]))
+    for method, picks in chosen.items():
+        rows = list(zip(results, picks))
         overall = _totals(rows)
-        per_domain = {d: _totals([row for row, dd in zip(rows, doc_domain) if dd == d]) for d in domains}
-        tokens = sum(r["tokens"] for r, _ in rows)
+        tokens = overall["tokens"]
         methods[method] = {
             "overall_ppl": overall["ppl"], "overall_kl": overall["kl"],
-            "per_domain": {d: {"ppl": v["ppl"], "kl": v["kl"]} for d, v in per_domain.items()},
+            "per_domain": {d: {k: v for k, v in _totals([row for row, dd in zip(rows, doc_domain) if dd == d]).items()
+                               if k != "tokens"} for d in domains},
             "compute_saved": sum(saved[m] * r["tokens"] for r, m in rows) / tokens,
-            "masks_used": {m: chosen[method].count(m) for m in sorted(set(chosen[method]))},
+            "masks_used": _counts(picks),
         }
-    best_static = min(STATIC, key=lambda m: methods[m]["overall_ppl"])
-    ig, best = methods["ig"]["overall_ppl"], methods[best_static]["overall_ppl"]
+    return methods
+
+
+def _summary(methods: dict, chosen: dict, results: list[dict], static: dict[str, str], seed: int) -> dict:
+    best_static = min(static, key=lambda m: methods[m]["overall_ppl"])
+    ppl = {m: v["overall_ppl"] for m, v in methods.items()}
+    ig, best, centroid, oracle = ppl["ig"], ppl[best_static], ppl.get("ig_centroid", ppl["ig"]), ppl["oracle"]
+    out = {"best_static": best_static, "ig_ppl": ig, "best_static_ppl": best,
+           "ig_vs_best_static_ppl_pct": 100.0 * (ig - best) / best, "ig_over_best_static": ig / best,
+           "ig_vs_best_static_ppl_pct_ci95": _paired_bootstrap(results, chosen["ig"], chosen[best_static], seed),
+           "ig_vs_random_ppl_pct": 100.0 * (ig / ppl["random"] - 1.0),
+           "ig_vs_random_ppl_pct_ci95": _paired_bootstrap(results, chosen["ig"], chosen["random"], seed),
+           "ig_beats_best_static": ig < best, "random_worse_than_ig": ppl["random"] > ig,
+           "oracle_bounds_ig": oracle <= ig,
+           "centroid_to_oracle_gap_closed": (centroid - ig) / (centroid - oracle) if centroid > oracle else None}
+    if "oracle_pool" in ppl:
+        out["centroid_to_oracle_pool_gap_closed"] = (centroid - ig) / (centroid - ppl["oracle_pool"])
+    if "ig_centroid" in chosen and chosen["ig_centroid"] != chosen["ig"]:
+        out["ig_vs_centroid_ppl_pct_ci95"] = _paired_bootstrap(results, chosen["ig"], chosen["ig_centroid"], seed)
+    if "ig_max_loss" in ppl:
+        out["ig_max_loss_over_best_static"] = ppl["ig_max_loss"] / best
+    return out
+
+
+def evaluate_bank(runner, tokenizer, bank: MaskBank, domains: dict[str, list[str]], routes: dict[str, list[str]],
+                  max_len: int = 128, batch_size: int = 8, seed: int = 0, sparsity: float | None = None,
+                  cache: Path | None = None, fingerprint: str = "") -> dict:
+    """Score every document under every mask used at one budget, then aggregate each method per domain and overall."""
+    s = bank.sparsity if sparsity is None else sparsity
+    all_masks = bank.mask_tensors()
+    needed = {DENSE, *bank.cluster_ids(s), *bank.candidate_ids(s), *bank.static_ids(s).values(),
+              *(m for picks in routes.values() for m in picks)}
+    masks = {m: t for m, t in all_masks.items() if m in needed}
+    saved = {m: runner.cost.compute_saved(mask) for m, mask in masks.items()}
+    texts = [t for d in domains for t in domains[d]]
+    doc_domain = [d for d in domains for _ in domains[d]]
+    results = _per_document(score_documents(runner, tokenizer, fingerprint, texts, masks, max_len, batch_size, cache))
+    chosen = _choose(bank, s, results, routes, seed)
+    methods = _method_rows(chosen, results, doc_domain, domains, saved)
+    static = bank.static_ids(s)
+    methods.update({name: methods.pop(name) for name in static})
+    route = chosen["ig"]
     return {
-        "sparsity": bank.sparsity,
+        "sparsity": s,
         "methods": methods,
         "masks": {m: {"skip_ratio": bank.skip_ratio(m), "compute_saved": saved[m],
-                      "ideal_speedup": runner.cost.ideal_speedup(mask), **_totals([(r, m) for r in results])}
+                      "ideal_speedup": runner.ideal_speedup(mask), **_totals([(r, m) for r in results])}
                   for m, mask in masks.items()},
-        "routing": {d: {m: routes[d].count(m) for m in sorted(set(routes[d]))} for d in domains},
+        "routing": {d: _counts([x for x, dd in zip(route, doc_domain) if dd == d]) for d in domains},
         "tokens": {d: sum(r["tokens"] for r, dd in zip(results, doc_domain) if dd == d) for d in domains},
-        "documents": [{"domain": d, "route": route, **r} for r, d, route in zip(results, doc_domain, chosen["ig"])],
-        "summary": {"best_static": best_static, "ig_ppl": ig, "best_static_ppl": best,
-                    "ig_vs_best_static_ppl_pct": 100.0 * (ig - best) / best,
-                    "ig_vs_best_static_ppl_pct_ci95": _paired_bootstrap(results, chosen["ig"], chosen[best_static], seed),
-                    "ig_vs_random_ppl_pct": 100.0 * (ig / methods["random"]["overall_ppl"] - 1.0),
-                    "ig_vs_random_ppl_pct_ci95": _paired_bootstrap(results, chosen["ig"], chosen["random"], seed),
-                    "ig_beats_best_static": ig < best,
-                    "random_worse_than_ig": methods["random"]["overall_ppl"] > ig,
-                    "oracle_bounds_ig": methods["oracle"]["overall_ppl"] <= ig},
+        "documents": [{"domain": d, "route": r_, **r} for r, d, r_ in zip(results, doc_domain, route)],
+        "summary": _summary(methods, chosen, results, static, seed),
     }
 
 
@@ -205,8 +265,34 @@ def write_report(report: dict, json_path: Path, plot_path: Path | None, plot) ->
         plot(report, plot_path)
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's vector-ISA flags (from /proc/cpuinfo), recorded with every measurement."""
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "sse4", "fma")))
+
+
+def seed_from_reports(reports: list[Path], cache: Path, fingerprint: str, max_len: int,
+                      domains: dict[str, list[str]]) -> int:
+    """Fill the score cache from earlier reports of the same documents and window (their bank's masks)."""
+    from masks.labels import seed_cache
+
+    texts = [t for d in domains for t in domains[d]]
+    stored = 0
+    for path in reports:
+        old = json.loads(path.read_text())
+        if old["max_len"] != max_len or len(old["documents"]) != len(texts):
+            raise SystemExit(f"{path}: other documents or window than this run")
+        stored += seed_cache(cache, fingerprint, max_len, texts, MaskBank.load(old["bank"]).mask_tensors(), old["documents"])
+    return stored
+
+
 def run(args: argparse.Namespace) -> int:
-    from router.router import Router
+    import sys
+
+    from router.encoder import embed
     from server import models
     from server.runner import BlockRunner
 
@@ -217,11 +303,16 @@ def run(args: argparse.Namespace) -> int:
     runner = BlockRunner(lm.model, max_slots=1, max_len=args.max_len)
     bank.check_model(lm.fingerprint, runner.num_blocks)
     domains = {d: texts[: args.docs_per_domain] for d, texts in load_domain_dir(args.data).items()}
-    router = Router(bank)
-    routes = {d: [r.mask_id for r in router.route(texts)] for d, texts in domains.items()}
+    seeded = seed_from_reports(args.seed_from, args.cache, lm.fingerprint, args.max_len, domains)
+    s = bank.sparsity if args.budget is None else args.budget
+    emb = embed([t for d in domains for t in domains[d]])
+    routes = route_methods(bank, emb, s)
     report = {"bank": str(args.bank), "model": lm.name, "data": str(args.data),
-              "docs_per_domain": args.docs_per_domain, "max_len": args.max_len}
-    report.update(evaluate_bank(runner, lm.tokenizer, bank, domains, routes, args.max_len, args.batch_size, args.seed))
+              "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,
+              "command": " ".join(["python -m masks.evaluate", *sys.argv[1:]]), "cpu_flags": cpu_flags(),
+              "router": bank.router.get("kind", "centroid"), "ood": bank.ood, "masks_seeded_from_reports": seeded}
+    report.update(evaluate_bank(runner, lm.tokenizer, bank, domains, routes, args.max_len, args.batch_size, args.seed,
+                                s, args.cache, lm.fingerprint))
     report["seconds"] = round(time.perf_counter() - start, 1)
     write_report(report, args.json, args.plot, plot_report)
     print(format_report(report))

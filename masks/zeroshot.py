@@ -405,6 +405,8 @@ def run(args: argparse.Namespace) -> int:
     lm = models.load(args.model, dtype=dtype)
     bank = MaskBank.load(args.bank)
     bank.check_model(lm.fingerprint, 2 * lm.model.config.num_hidden_layers)
+    if bank.budgets:
+        raise SystemExit(f"{args.bank} is a multi-budget (format-2) bank; zero-shot evaluation reads one-budget banks")
     exclude = set(bank.calibration_docs)
     examples, data = {}, {}
     for task in args.tasks.split(","):

@@ -1,4 +1,11 @@
-"""Input-guided routing: embed a request's routing text, pick the mask of the nearest centroid (cosine).
+"""Input-guided routing: embed a request's routing text, pick a mask of the bank.
+
+Two methods: ``centroid`` (the paper: the mask of the nearest cluster centroid, cosine) and
+``learned`` (a predictor of each candidate's excess loss, ``router.predictor``; the lowest
+prediction within the requested budget wins). A request may ask for a budget the bank holds or for
+``max_loss``: the sparsest candidate predicted to add at most that much loss (dense if none).
+A text farther from every centroid than the bank's ``ood`` distance gets the budget's global mask
+(the mask fit on the whole corpus), and its ``Route`` says so.
 
 ``Router`` is synchronous and batched. The server's engine calls it from its own thread, once per
 step for all the requests it is about to admit, so concurrent arrivals share one encoder batch
@@ -7,21 +14,28 @@ and the encoder never competes with a step for the CPU.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from masks.bank import BankError, MaskBank
+from masks.bank import DENSE, BankError, MaskBank
 from router.encoder import ENCODER_DIM, EncoderError, check_name, embed, load_encoder
+from router.predictor import Predictor
+
+METHODS = ("learned", "centroid")
 
 
 @dataclass(frozen=True)
 class Route:
     mask_id: str
-    distance: float  # cosine distance (1 - cos) to the chosen centroid
+    distance: float  # cosine distance (1 - cos) to the nearest centroid
     router_ms: float  # time spent routing (for a batch: the whole batch)
+    budget: float = 0.0  # sparsity of the chosen mask (0 for dense)
+    fallback: bool = False  # out of distribution: the budget's global mask was used
+    predicted_loss: float | None = None  # learned router: predicted excess NLL per token (nats)
 
 
 def chat_routing_text(messages: list[dict]) -> str:
@@ -38,27 +52,104 @@ def chat_routing_text(messages: list[dict]) -> str:
 
 
 class Router:
-    """Nearest-centroid lookup over a mask bank's centroids."""
+    """Routes texts over a mask bank; see the module doc for the methods and options.
 
-    def __init__(self, bank: MaskBank, encoder=None):
+    ``masks`` maps every id a client may force to its bool tensor (the bank's, built once);
+    ``budgets`` lists the budgets the bank holds and ``default_budget`` the one used when a request
+    names none; ``check`` raises ``ValueError`` for options this bank cannot serve.
+    """
+
+    def __init__(self, bank: MaskBank, encoder=None, method: str | None = None, ood: bool = True):
         try:
             check_name(bank.encoder["name"])
         except EncoderError as exc:
             raise BankError(f"mask bank needs encoder {bank.encoder['name']!r}: {exc}") from exc
         if bank.encoder["dim"] != ENCODER_DIM:
             raise BankError(f"mask bank centroids have {bank.encoder['dim']} dimensions, the encoder {ENCODER_DIM}")
-        self.encoder = encoder or load_encoder()
+        learned = bank.router.get("kind") in ("ridge", "knn")
+        self.method = method or ("learned" if learned else "centroid")
+        if self.method not in METHODS or (self.method == "learned" and not learned):
+            raise BankError(f"router method {self.method!r} not available for this bank "
+                            f"(it has {'a learned router' if learned else 'centroids only'})")
+        self.bank = bank
+        self._encoder = encoder  # loaded on first use: routing precomputed embeddings needs none
         self.centroids = F.normalize(bank.centroid_tensor(), dim=1)
+        self.predictor = Predictor.from_dict(bank.router) if learned else None
+        self.masks = bank.mask_tensors()
         self.mask_ids = list(bank.mask_ids)
-        self.masks = {mask_id: bank.mask(mask_id) for mask_id in self.mask_ids}
+        self.budgets = bank.budget_list()
+        self.default_budget = float(bank.sparsity)
+        # The learned router falls back only where the bank says it helps on far calibration documents.
+        applies = ood and (self.method == "centroid" or bank.ood.get("learned", True))
+        self.ood_distance = bank.ood.get("distance") if applies else None
+
+    @property
+    def encoder(self):
+        if self._encoder is None:
+            self._encoder = load_encoder()
+        return self._encoder
 
     def warm_up(self) -> None:
         self.encoder.warm_up()
 
-    def route(self, texts: list[str], batch_size: int = 32) -> list[Route]:
+    def check(self, budget: float | None = None, max_loss: float | None = None) -> None:
+        """Raise ``ValueError`` (message fit for a client) for a budget / max_loss this bank cannot serve."""
+        if budget is not None and max_loss is not None:
+            raise ValueError("give either budget or max_loss, not both")
+        if budget is not None and not any(abs(budget - b) < 1e-9 for b in self.budgets):
+            raise ValueError(f"budget {budget} is not in this mask bank; available: {', '.join(map(str, self.budgets))}")
+        if max_loss is not None:
+            if self.predictor is None:
+                raise ValueError("max_loss needs a mask bank with a learned router; this one routes by centroid")
+            if not math.isfinite(max_loss) or max_loss < 0:
+                raise ValueError(f"max_loss must be a finite number >= 0, got {max_loss}")
+
+    def route(self, texts: list[str], budgets: list[float | None] | None = None,
+              max_losses: list[float | None] | None = None, batch_size: int = 32) -> list[Route]:
+        """One Route per text; ``budgets[i]`` / ``max_losses[i]`` are that text's options (None: default)."""
+        n = len(texts)
+        budgets, max_losses = budgets or [None] * n, max_losses or [None] * n
+        for b, x in zip(budgets, max_losses):
+            self.check(b, x)
         start = time.perf_counter()
         with torch.inference_mode():
-            sims = embed(texts, batch_size, self.encoder) @ self.centroids.T
-        best, idx = sims.max(1)
+            emb = embed(texts, batch_size, self.encoder)
+        return self.route_embedded(emb, budgets, max_losses, start)
+
+    def route_embedded(self, emb: torch.Tensor, budgets: list[float | None], max_losses: list[float | None],
+                       start: float | None = None) -> list[Route]:
+        """``route`` on embeddings already computed (``start``: when routing began, for ``router_ms``)."""
+        start = time.perf_counter() if start is None else start
+        with torch.inference_mode():
+            best, idx = (emb @ self.centroids.T).max(1)
+            pred = self.predictor.predict(emb) if self.predictor is not None and self.method == "learned" else None
+        picks = [self._pick(1.0 - float(best[i]), int(idx[i]), None if pred is None else pred[i], budgets[i],
+                            max_losses[i]) for i in range(len(emb))]
         ms = (time.perf_counter() - start) * 1000
-        return [Route(self.mask_ids[i], 1.0 - s, ms) for s, i in zip(best.tolist(), idx.tolist())]
+        return [Route(m, d, ms, self.bank.budget_of(m), fb, pl) for m, d, fb, pl in picks]
+
+    def _pick(self, distance: float, nearest: int, pred: torch.Tensor | None, budget: float | None,
+              max_loss: float | None) -> tuple[str, float, bool, float | None]:
+        """(mask id, distance, fallback, predicted loss) for one text."""
+        out = self.ood_distance is not None and distance > self.ood_distance
+        loss = {} if pred is None else dict(zip(self.predictor.candidates, pred.tolist()))
+        if max_loss is not None:
+            return self._within(loss, max_loss, out, distance)
+        s = self.default_budget if budget is None else budget
+        if out and self.bank.global_id(s) is not None:
+            m = self.bank.global_id(s)
+            return m, distance, True, loss.get(m)
+        if pred is None:
+            return self.bank.cluster_ids(s)[nearest], distance, False, None
+        m = min(self.bank.candidate_ids(s), key=lambda c: loss[c])
+        return m, distance, False, loss[m]
+
+    def _within(self, loss: dict[str, float], max_loss: float, out: bool, distance: float):
+        """The sparsest candidate predicted within ``max_loss`` (lowest prediction among equals); dense if none."""
+        for s in sorted(self.budgets, reverse=True):
+            ids = [self.bank.global_id(s)] if out and self.bank.global_id(s) else self.bank.candidate_ids(s)
+            ok = [m for m in ids if loss[m] <= max_loss]
+            if ok:
+                m = min(ok, key=lambda c: loss[c])
+                return m, distance, out, loss[m]
+        return DENSE, distance, out, 0.0

@@ -82,3 +82,42 @@ def test_shipped_bank_is_consistent(path):
     assert torch.allclose(bank.centroid_tensor().norm(dim=1), torch.ones(len(bank.masks)), atol=1e-4)
     assert sum(c["size"] for c in bank.clusters) == len(bank.calibration_docs)
     assert bank.training["config"]["steps"] > 0
+
+
+ROUTED = sorted(BANKS.glob("smollm2-135m-instruct-routed*.json"))
+
+
+@pytest.mark.parametrize("path", ROUTED, ids=[p.name for p in ROUTED])
+def test_shipped_routed_bank_is_consistent(path):
+    from router.predictor import Predictor
+
+    bank = MaskBank.load(path)
+    assert bank.format_version == 2 and bank.sparsity in bank.budget_list()
+    blocks = len(bank.blocks)
+    for s in bank.budget_list():
+        ids = bank.candidate_ids(s)
+        assert set(bank.cluster_ids(s)) <= set(ids) and bank.global_id(s) in ids
+        for mask_id in ids:
+            assert int(bank.mask(mask_id).sum()) == budget(blocks, s), mask_id
+    assert bank.mask_ids == bank.cluster_ids() and set(bank.baselines) == set(bank.static_ids().values())
+    predictor = Predictor.from_dict(bank.router)
+    assert set(predictor.candidates) == set(bank.pool)
+    assert predictor.predict(bank.centroid_tensor()).shape == (len(bank.centroids), len(bank.pool))
+    assert 0 < bank.ood["distance"] < 2
+
+
+def test_format_2_fields_round_trip_and_are_checked(tmp_path):
+    bank = _bank()
+    data = {k: v for k, v in vars(bank).items()}
+    pool = {"c0@0.125": {"budget": 0.125, "kind": "cluster", "mask": bank.masks[0]},
+            "c1@0.125": {"budget": 0.125, "kind": "cluster", "mask": bank.masks[1]}}
+    spec = {"0.125": {"cluster_masks": ["c0@0.125", "c1@0.125"], "candidates": list(pool), "global": "c0@0.125"}}
+    routed = MaskBank(**{**data, "pool": pool, "budgets": spec, "ood": {"distance": 0.5}})
+    routed.save(tmp_path / "b.json")
+    back = MaskBank.load(tmp_path / "b.json")
+    assert back == routed and back.budget_list() == [0.125] and back.global_id() == "c0@0.125"
+    assert back.budget_of("c1@0.125") == 0.125 and back.budget_of("dense") == 0.0
+    with pytest.raises(BankError, match="only ids of the pool"):
+        MaskBank(**{**data, "pool": pool, "budgets": {"0.125": {**spec["0.125"], "global": "nope"}}})
+    with pytest.raises(KeyError):
+        back.cluster_ids(0.25)

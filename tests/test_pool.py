@@ -1,0 +1,89 @@
+"""Candidate pools from greedy orders, the loss predictors and the per-document score cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from masks.bank import MaskBank
+from masks.labels import score_documents
+from masks.pool import candidate_pool, cluster_masks, shared_skips, static_masks
+from router.predictor import Predictor, cross_validate, fit, out_of_fold
+
+BLOCKS = [f"{k}_{i}" for i in range(4) for k in ("attn", "ffn")]
+
+
+def _bank() -> MaskBank:
+    orders = {"c0": [1, 4, 6, 2], "c1": [3, 1, 0, 5]}
+    return MaskBank(
+        model={"name": "m", "fingerprint": "f"}, encoder={"name": "all-MiniLM-L6-v2", "dim": 2}, sparsity=0.5,
+        blocks=BLOCKS, centroids=[[1.0, 0.0], [0.0, 1.0]],
+        masks=[[j not in o for j in range(8)] for o in orders.values()], mask_ids=list(orders),
+        clusters=[{"id": c, "greedy_removal": [BLOCKS[j] for j in o]} for c, o in orders.items()],
+        training={"greedy": {"removal": [{"block": BLOCKS[j]} for j in (6, 1, 2, 7)]},
+                  "shortgpt": {"block_influence": [0.9, 0.1, 0.8, 0.7, 0.6, 0.5, 0.2, 0.3]},
+                  "static_l0": {"gate_logits": [1.0, 2.0, -1.0, 3.0, 4.0, 0.0, 5.0, 6.0]}})
+
+
+def _skipped(mask: torch.Tensor) -> set[int]:
+    return set((~mask).nonzero().squeeze(1).tolist())
+
+
+def test_smaller_budgets_are_prefixes_of_the_greedy_orders():
+    bank = _bank()
+    assert {c: _skipped(m) for c, m in cluster_masks(bank, 0.25).items()} == {"c0": {1, 4}, "c1": {1, 3}}
+    static = static_masks(bank, 0.25)
+    assert _skipped(static["greedy"]) == {1, 6}
+    assert _skipped(static["shortgpt"]) == {1, 6}  # the two least influential blocks
+    assert _skipped(static["static_l0"]) == {2, 5}  # the two smallest gate logits
+    with pytest.raises(ValueError, match="needs 6"):
+        static_masks(bank, 0.75)
+
+
+def test_shared_core_masks_all_skip_the_core():
+    bank = _bank()
+    core = cluster_masks(bank, 0.375, core=2)  # 3 blocks: greedy's first 2 + each cluster's first other block
+    assert {c: _skipped(m) for c, m in core.items()} == {"c0": {6, 1, 4}, "c1": {6, 1, 3}}
+    assert shared_skips(list(core.values())) == 2
+    assert shared_skips(list(cluster_masks(bank, 0.375).values())) == 1  # without the core: only block 1
+    pool = candidate_pool(bank, [0.25, 0.375], {0.375: 2})
+    assert set(pool) == {f"{n}@{s}" for s in ("0.25", "0.375") for n in ("greedy", "shortgpt", "static_l0")} \
+        | {"c0@0.25", "c1@0.25", "core2-c0@0.375", "core2-c1@0.375"}
+    assert pool["core2-c1@0.375"]["kind"] == "core" and pool["core2-c1@0.375"]["cluster"] == "c1"
+    assert all(int((~p["mask"]).sum()) == round(p["budget"] * 8) for p in pool.values())
+
+
+def test_ridge_recovers_a_linear_map_and_knn_its_neighbours():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.nn.functional.normalize(torch.randn(200, 6, generator=gen), dim=1)
+    w = torch.randn(6, 3, generator=gen)
+    y = x @ w + 0.5
+    ridge = Predictor.from_dict(fit("ridge", x, y, ["a", "b", "c"], 1e-8).to_dict())
+    torch.testing.assert_close(ridge.predict(x), y.float(), atol=1e-4, rtol=0)
+    knn = fit("knn", x, y, ["a", "b", "c"], 1)
+    torch.testing.assert_close(knn.predict(x[:5]), y[:5].float(), atol=1e-5, rtol=0)
+    # out of fold, a 1-NN never sees the document itself, so it is worse than in sample
+    oof = out_of_fold("knn", 1, x, y, folds=5)
+    assert (oof - y).abs().mean() > 0.05
+    tokens = torch.ones(200)
+    cv = cross_validate(x, y, tokens, [[0, 1, 2]], [("ridge", 1e-8), ("knn", 1)])
+    best = float(y.min(1).values.mean())
+    assert cv["ridge=1e-08"] == pytest.approx(best, abs=1e-3) and cv["knn=1"] > best
+
+
+def test_score_cache_scores_only_what_is_new(tiny, tmp_path, monkeypatch):
+    from server.runner import BlockRunner
+
+    import masks.labels as labels
+
+    runner = BlockRunner(tiny.model, max_slots=1, max_len=32)
+    texts = ["def f(x): return x + 1", "The soup needs salt and a bay leaf.", "2 + 2 = 4"]
+    masks = {"dense": torch.ones(8, dtype=torch.bool), "a": torch.tensor([1, 0, 1, 1, 1, 1, 1, 1], dtype=torch.bool)}
+    fresh = score_documents(runner, tiny.tokenizer, "fp", texts, masks, 32, 2, None)
+    cached = score_documents(runner, tiny.tokenizer, "fp", texts[:2], masks, 32, 2, tmp_path)
+    monkeypatch.setattr(labels, "_with_kl", lambda *a, **k: pytest.fail("scored a cached pair"))
+    again = score_documents(runner, tiny.tokenizer, "fp", texts[:2], {"same": masks["a"]}, 32, 2, tmp_path)
+    assert again["nll"]["same"] == pytest.approx(fresh["nll"]["a"][:2]) == cached["nll"]["a"]
+    assert fresh["kl"]["dense"] == pytest.approx([0.0] * 3, abs=1e-4) and min(fresh["kl"]["a"]) > 0
+    nll_only = score_documents(runner, tiny.tokenizer, "fp", texts, masks, 32, 2, tmp_path / "n", kl=False)
+    assert nll_only["nll"]["a"] == pytest.approx(fresh["nll"]["a"], rel=1e-5) and nll_only["kl"] == {}
