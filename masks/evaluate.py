@@ -47,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-routing control")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--weights", default="fp32", help="weight format (fp32, bf16, int8, int4)")
 
 
 @torch.no_grad()
@@ -212,14 +213,14 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    lm = models.load(args.model)
+    lm = models.load(args.model, dtype=models.resolve_weights(args.weights)[1], weights=args.weights)
     bank = MaskBank.load(args.bank)
     runner = BlockRunner(lm.model, max_slots=1, max_len=args.max_len)
     bank.check_model(lm.fingerprint, runner.num_blocks)
     domains = {d: texts[: args.docs_per_domain] for d, texts in load_domain_dir(args.data).items()}
     router = Router(bank)
     routes = {d: [r.mask_id for r in router.route(texts)] for d, texts in domains.items()}
-    report = {"bank": str(args.bank), "model": lm.name, "data": str(args.data),
+    report = {"bank": str(args.bank), "model": lm.name, "weights": lm.weights, "data": str(args.data),
               "docs_per_domain": args.docs_per_domain, "max_len": args.max_len}
     report.update(evaluate_bank(runner, lm.tokenizer, bank, domains, routes, args.max_len, args.batch_size, args.seed))
     report["seconds"] = round(time.perf_counter() - start, 1)

@@ -17,6 +17,7 @@ COMMANDS = [
     (("bench", "decode"), "bench.decode", "decode/prefill throughput per weight format: HF generate vs the runner"),
     (("bench", "serve"), "bench.serve", "concurrent streaming clients against a running server"),
     (("bench", "compare"), "bench.compare", "igserve against llama.cpp's llama-server, same clients and prompts"),
+    (("bench", "quality"), "bench.quality", "held-out perplexity and greedy agreement per weight format"),
     (("bench", "report"), "bench.report", "render bench/REPORT.md and plots from bench/results/"),
     (("masks", "build"), "masks.build", "cluster a calibration corpus and learn one block mask per cluster"),
     (("eval", "zeroshot"), "masks.zeroshot", "zero-shot multiple-choice accuracy of dense, IG and static masks"),
