@@ -35,12 +35,15 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def decode_section(report: dict) -> list[str]:
     out = ["## Decode throughput (`bench/results/decode.json`)", "",
-           f"{report['model']}, batch 1, {report['prompt_tokens']}-token prompt, {report['new_tokens']} new tokens, "
-           f"{report['threads']} threads, {report['dtype']}, median of {report['repeats']}.", ""]
-    rows = [[r["name"], f"{r['skip_ratio']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['prefill_tok_s']:.0f}",
-             f"{r['speedup']:.3f}", f"{r['ideal_speedup']:.3f}", f"{r['fraction_of_ideal']:.0%}"]
+           f"{report['model']}, {report['prompt_tokens']}-token prompt, {report['new_tokens']} new tokens, "
+           f"{report['threads']} threads, median of {report['repeats']}; ideal speedup from the weight bytes "
+           f"read per token in each format.", ""]
+    rows = [[r["name"], r.get("weights", report.get("dtype")), r.get("batch", 1), f"{r['skip_ratio']:.2f}",
+             f"{r['decode_tok_s']:.1f}", f"{r['prefill_tok_s']:.0f}", f"{r['speedup']:.3f}",
+             f"{r['ideal_speedup']:.3f}", "" if r["fraction_of_ideal"] is None else f"{r['fraction_of_ideal']:.0%}"]
             for r in report["runs"]]
-    return out + _table(["run", "skip", "decode tok/s", "prefill tok/s", "speedup", "ideal", "of ideal"], rows)
+    return out + _table(["run", "weights", "batch", "skip", "decode tok/s", "prefill tok/s", "speedup", "ideal",
+                         "of ideal"], rows)
 
 
 def serve_section(report: dict, results: Path) -> list[str]:

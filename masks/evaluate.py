@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", type=Path, help="per-document score cache (e.g. data/eval-cache)")
     parser.add_argument("--seed-from", type=Path, nargs="*", default=[],
                         help="earlier reports whose per-document scores (of their bank's masks) fill the cache")
+    parser.add_argument("--weights", default="fp32", help="weight format (fp32, bf16, int8, int4)")
 
 
 @torch.no_grad()
@@ -298,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    lm = models.load(args.model)
+    lm = models.load(args.model, dtype=models.resolve_weights(args.weights)[1], weights=args.weights)
     bank = MaskBank.load(args.bank)
     runner = BlockRunner(lm.model, max_slots=1, max_len=args.max_len)
     bank.check_model(lm.fingerprint, runner.num_blocks)
@@ -307,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     s = bank.sparsity if args.budget is None else args.budget
     emb = embed([t for d in domains for t in domains[d]])
     routes = route_methods(bank, emb, s)
-    report = {"bank": str(args.bank), "model": lm.name, "data": str(args.data),
+    report = {"bank": str(args.bank), "model": lm.name, "weights": lm.weights, "data": str(args.data),
               "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,
               "command": " ".join(["python -m masks.evaluate", *sys.argv[1:]]), "cpu_flags": cpu_flags(),
               "router": bank.router.get("kind", "centroid"), "ood": bank.ood, "masks_seeded_from_reports": seeded}

@@ -19,6 +19,7 @@ COMMANDS = [
     (("bench", "compare"), "bench.compare", "igserve against llama.cpp's llama-server, same clients and prompts"),
     (("bench", "itl"), "bench.itl", "inter-token latency of running streams while long prompts arrive"),
     (("bench", "reliability"), "bench.reliability", "/health latency and memory while a huge body is refused"),
+    (("bench", "quality"), "bench.quality", "held-out perplexity and greedy agreement per weight format"),
     (("bench", "report"), "bench.report", "render bench/REPORT.md and plots from bench/results/"),
     (("masks", "build"), "masks.build", "cluster a calibration corpus and learn one block mask per cluster"),
     (("eval", "zeroshot"), "masks.zeroshot", "zero-shot multiple-choice accuracy of dense, IG and static masks"),
