@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--ood-quantile", type=float, default=0.95,
                         help="calibration distance quantile beyond which a request falls back to the global mask")
+    parser.add_argument("--predictor", help="kind=value (e.g. knn=20) instead of the cross-validated choice")
     parser.add_argument("--out", type=Path, help="format-2 bank to write (without it: labels only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)

@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens of each answer compared")
     parser.add_argument("--extra-static", default="0.0333,0.0667",
                         help="smaller budgets measured for the static greedy mask only (a fuller curve)")
+    parser.add_argument("--budgets", help="comma-separated budgets of the bank to measure (default: all)")
+    parser.add_argument("--merge", type=Path, help="earlier report on the same prompts whose methods are kept")
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--seed", type=int, default=0)
@@ -117,7 +119,8 @@ def measure(runner, prompts: list[list[int]], masks: torch.Tensor, dense: dict, 
             "common_prefix": sum(prefix) / len(prefix), "per_prompt_top1": [round(x, 4) for x in agree]}
 
 
-def method_masks(bank: MaskBank, texts: list[str], extra: list[float]) -> dict[str, tuple[float, list[str]]]:
+def method_masks(bank: MaskBank, texts: list[str], extra: list[float],
+                 budgets: list[float] | None = None) -> dict[str, tuple[float, list[str]]]:
     """{method: (budget, mask id per prompt)} for every budget of the bank and the extra static budgets."""
     from router.router import Router
 
@@ -126,7 +129,7 @@ def method_masks(bank: MaskBank, texts: list[str], extra: list[float]) -> dict[s
     routers = {"ig": Router(bank)}
     if bank.router.get("kind") in ("ridge", "knn"):
         routers["ig_centroid"] = Router(bank, method="centroid", ood=False)
-    for s in bank.budget_list():
+    for s in budgets or bank.budget_list():
         for name, mask_id in bank.static_ids(s).items():
             if name != "static_l0":
                 out[f"{name}@{s:g}"] = (s, [mask_id] * n)
@@ -137,7 +140,8 @@ def method_masks(bank: MaskBank, texts: list[str], extra: list[float]) -> dict[s
     return out
 
 
-def evaluate(lm, bank: MaskBank, questions: list[str], n_tokens: int, extra: list[float]) -> dict:
+def evaluate(lm, bank: MaskBank, questions: list[str], n_tokens: int, extra: list[float],
+             budgets: list[float] | None = None) -> dict:
     from server.runner import BlockRunner
 
     tok = lm.tokenizer
@@ -153,7 +157,7 @@ def evaluate(lm, bank: MaskBank, questions: list[str], n_tokens: int, extra: lis
     logp, _, _ = teacher_forced(runner, prompts, answers, ones)
     dense = {"answers": answers, "logp": logp}
     methods = {}
-    for name, (s, ids) in method_masks(bank, questions, extra).items():
+    for name, (s, ids) in method_masks(bank, questions, extra, budgets).items():
         rows = torch.stack([tensors[i] for i in ids])
         saved = sum(runner.cost.compute_saved(r) for r in rows) / len(rows)
         shared = int((~rows).all(0).sum())
@@ -201,7 +205,15 @@ def run(args: argparse.Namespace) -> int:
     questions = chat_prompts(args.data, args.prompts, args.seed)
     report = {"command": " ".join(["python -m masks.quality", *sys.argv[1:]]), "bank": str(args.bank),
               "model": lm.name, "dtype": str(lm.model.dtype).removeprefix("torch."), "tokens": args.tokens,
-              "cpu_flags": cpu_flags(), **evaluate(lm, bank, questions, args.tokens, extra)}
+              "cpu_flags": cpu_flags(),
+              **evaluate(lm, bank, questions, args.tokens, extra, [float(b) for b in args.budgets.split(",")]
+                         if args.budgets else None)}
+    if args.merge:
+        old = json.loads(args.merge.read_text())
+        if old["prompts"] != report["prompts"] or old["dense_answers"] != report["dense_answers"]:
+            raise SystemExit(f"{args.merge}: other prompts or dense answers")
+        report["methods"] = {**old["methods"], **report["methods"]}
+        report["command"] = old["command"] + " ; " + report["command"]
     report["seconds"] = round(time.perf_counter() - start, 1)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -39,13 +39,16 @@ def _reference(excess: torch.Tensor, tokens: torch.Tensor, emb: torch.Tensor, ce
 
 
 def select_router(emb: torch.Tensor, excess: torch.Tensor, tokens: torch.Tensor, ids: list[str],
-                  specs: dict[str, dict], centroids: torch.Tensor, seed: int) -> dict:
-    """Choose the predictor kind and strength by 5-fold CV on the training labels; fit it on all of them."""
+                  specs: dict[str, dict], centroids: torch.Tensor, seed: int, forced: str | None = None) -> dict:
+    """Choose the predictor kind and strength by 5-fold CV on the training labels (or take ``forced``,
+    'kind=value'); fit it on all of them."""
     col = {m: j for j, m in enumerate(ids)}
     groups = [[col[m] for m in s["candidates"]] for s in specs.values()]
     clusters = [[col[m] for m in s["cluster_masks"]] for s in specs.values()]
     cv = cross_validate(emb, excess, tokens, groups, SPECS, folds=5, seed=seed)
     kind, value = min(SPECS, key=lambda s: cv[f"{s[0]}={s[1]:g}"])
+    if forced:
+        kind, value = forced.split("=")[0], float(forced.split("=")[1])
     predictor = fit(kind, emb, excess, ids, value)
     oof = out_of_fold(kind, value, emb, excess, 5, seed)
     selection = {"cv_excess_nll_per_token": {k: round(v, 5) for k, v in cv.items()}, "chosen": f"{kind}={value:g}",
@@ -139,7 +142,7 @@ def build_routed_bank(source: MaskBank, pool: dict[str, dict], docs: list[dict],
     excess, tokens = excess_per_token(labels, ids)
     centroids = source.centroid_tensor()
     emb = _embed_cached([d["text"] for d in docs], args.cache)
-    router = select_router(emb, excess.float(), tokens.float(), ids, specs, centroids, args.seed)
+    router = select_router(emb, excess.float(), tokens.float(), ids, specs, centroids, args.seed, args.predictor)
     oof = router.pop("_oof")
     threshold = ood_threshold(centroids, _embed_cached([d["text"] for d in load_documents(args.data)], args.cache),
                               args.ood_quantile)
