@@ -676,3 +676,48 @@ def test_tokenize_and_detokenize_as_vllm(live_server, model, tiny, tiny_bank):
         assert httpx.post(live_server.base_url + "/tokenize", json={"model": model, "prompt": "x"}).status_code == 401
     card = live_server.client().models.list().data[0]
     assert card.id == model and set(card.model_extra["masks"]) == set(tiny_bank.all_mask_ids())
+
+
+# ---------------------------------------------------------------------------- logprobs, echo, choices
+def test_logprobs_and_echo_equal_the_runner_log_softmax(client, model, tiny):
+    """Sampled-token logprobs and echoed prompt logprobs (max_tokens 0 and 1) are log_softmax of
+    the runner's full-sequence logits at those positions; the first prompt token has none."""
+    ids = tiny.tokenizer(PROMPTS["math"])["input_ids"]
+    r = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0, logprobs=2,
+                                  extra_body=mask_body("dense"))
+    out = r.choices[0].logprobs
+    full = ids + tiny.tokenizer(r.choices[0].text, add_special_tokens=False)["input_ids"]
+    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    lp = torch.log_softmax(runner.forward(torch.tensor([full]), torch.ones(8, dtype=torch.bool))[0].float(), -1)
+    expected = [lp[len(ids) - 1 + i, full[len(ids) + i]].item() for i in range(len(out.token_logprobs))]
+    assert out.token_logprobs == pytest.approx(expected, abs=1e-4) and len(out.token_logprobs) == 4
+    assert all(len(top) == 2 for top in out.top_logprobs)
+    prompt_lp = [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    for max_tokens in (0, 1):
+        e = client.completions.create(model=model, prompt=[ids, ids[:5]], max_tokens=max_tokens, echo=True,
+                                      logprobs=1, temperature=0, extra_body=mask_body("dense"))
+        assert [c.index for c in e.choices] == [0, 1]
+        first = e.choices[0]
+        assert first.logprobs.token_logprobs[0] is None
+        assert first.logprobs.token_logprobs[1:len(ids)] == pytest.approx(prompt_lp, abs=1e-4)
+        assert len(first.logprobs.token_logprobs) == len(ids) + max_tokens
+        assert first.text.startswith(tiny.tokenizer.decode(ids))
+        assert e.usage.prompt_tokens == len(ids) + 5 and e.usage.completion_tokens == 2 * max_tokens
+
+
+def test_chat_logprobs_n_and_json_schema(client, model):
+    messages = [{"role": "user", "content": "Give me a person."}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0.9, seed=3, n=3,
+                                       logprobs=True, top_logprobs=3, extra_body=mask_body("dense"))
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1  # seed + j per choice
+    assert all(len(c.logprobs.content) == 5 and len(c.logprobs.content[0].top_logprobs) == 3 for c in r.choices)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    j = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "person", "schema": schema, "strict": True}},
+                                       extra_body=mask_body("dense"))
+    import jsonschema
+    if j.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(j.choices[0].message.content), schema)
