@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,8 @@ class StepOutput:
     new_token_ids: list[int]
     delta: str  # new text safe to hand out
     finished: bool
+    logprobs: list[float] = field(default_factory=list)  # of new_token_ids, when the request asked for them
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def error(self) -> BaseException | None:
@@ -115,7 +117,7 @@ class LLMEngine:
                              f"{self.runner.max_len}")
         if request.mask is None and (self.router is None or request.routing_text is None):
             raise ValueError("a request without a mask needs a routing text and an engine with a router")
-        request.sampling = RowState(request.params, request.prompt_ids)
+        request.sampling = RowState(request.params, request.prompt_ids, request.grammar)
         request.detokenizer = Detokenizer(self._backend, request.params.stop)
         self.scheduler.add(request)
 
@@ -162,8 +164,13 @@ class LLMEngine:
         """One forward over rows; a row that makes it fail is found by running the rows one by one."""
         reqs = [c.request for c in rows]
         masks = torch.stack([r.mask for r in reqs])
+        scored = [i for i, c in enumerate(rows) if c.request.prompt_logprobs is not None and c.start < c.request.num_prompt]
         try:
-            logits = self.runner.extend(tokens, [c.start for c in rows], masks, [r.slot for r in reqs])
+            args = (tokens, [c.start for c in rows], masks, [r.slot for r in reqs])
+            if scored:
+                logits, every = self.runner.extend_scoring(*args, scored)
+            else:
+                logits = self.runner.extend(*args)
         except Exception as exc:
             if len(rows) == 1:
                 log.exception("forward failed for %s", reqs[0].request_id)
@@ -171,12 +178,43 @@ class LLMEngine:
             log.warning("batched forward of %d rows failed (%s); retrying row by row", len(rows), exc)
             return [out for i in range(len(rows)) for out in self._execute(rows[i:i + 1], tokens[i:i + 1])]
         self._count_blocks(masks, [c.length for c in rows])
+        outputs = []
+        for i, position_logits in zip(scored, every if scored else []):
+            try:
+                self._score(rows[i], position_logits)
+            except Exception as exc:
+                log.exception("scoring the prompt failed for %s", reqs[i].request_id)
+                outputs.append(self._fail(reqs[i], RequestFailed(f"scoring the prompt failed: {exc}")))
         for c in rows:
             c.request.num_computed = c.start + c.length
-        done = [i for i, c in enumerate(rows) if not c.request.prefilling]  # rows that sample a token
+        done = [i for i, c in enumerate(rows) if not c.request.prefilling and not c.request.finished]
+        for i in [i for i in done if reqs[i].params.max_tokens == 0]:  # score only: no token is sampled
+            reqs[i].finish_reason = "length"
+            self.scheduler.remove(reqs[i])
+            outputs.append(StepOutput(reqs[i], [], "", True))
+        done = [i for i in done if not reqs[i].finished]
         if not done:
-            return []
-        return self._postprocess([reqs[i] for i in done], logits[done])
+            return outputs
+        return outputs + self._postprocess([reqs[i] for i in done], logits[done])
+
+    @staticmethod
+    def _score(chunk: Chunk, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens that this chunk's positions predict (chunked prefill
+        scores a prompt piece by piece; the first token has none, as OpenAI's echo)."""
+        req = chunk.request
+        if chunk.start == 0:
+            req.prompt_lps, req.prompt_tops = [None], [None]
+        targets = req.prompt_ids[chunk.start + 1:chunk.start + chunk.length + 1]
+        if not targets:
+            return
+        lp = torch.log_softmax(logits[:len(targets)].float(), -1)
+        req.prompt_lps += lp.gather(1, torch.tensor(targets, device=lp.device)[:, None]).squeeze(1).tolist()
+        k = req.prompt_logprobs
+        if k:
+            values, ids = lp.topk(k, -1)
+            req.prompt_tops += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        else:
+            req.prompt_tops += [[] for _ in targets]
 
     def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         finite = torch.isfinite(logits).all(-1).tolist()
@@ -186,7 +224,7 @@ class LLMEngine:
         batch, logits = [batch[i] for i in keep], logits[keep]
         try:
             sampled = sample(logits, [r.sampling for r in batch])
-            tokens = sampled.tokens
+            tokens = list(zip(sampled.tokens, sampled.logprobs, sampled.top_logprobs))
             for i, err in enumerate(sampled.errors):  # a row the sampler failed (no token allowed)
                 if err is not None:
                     tokens[i] = None
@@ -198,7 +236,7 @@ class LLMEngine:
                     alone = sample(logits[i:i + 1], [req.sampling])
                     if alone.errors[0] is not None:
                         raise RuntimeError(alone.errors[0])
-                    tokens += alone.tokens
+                    tokens.append((alone.tokens[0], alone.logprobs[0], alone.top_logprobs[0]))
                 except Exception as exc:
                     log.exception("sampling failed for %s", req.request_id)
                     tokens.append(None)
@@ -208,20 +246,25 @@ class LLMEngine:
             if tok is None:
                 continue
             try:
-                outputs.append(self._append(req, tok, now))
+                outputs.append(self._append(req, *tok, now))
             except Exception as exc:
                 log.exception("postprocessing failed for %s", req.request_id)
                 outputs.append(self._fail(req, RequestFailed(f"detokenising failed: {exc}")))
         return outputs
 
-    def _append(self, req: Request, tok: int, now: float) -> StepOutput:
+    def _append(self, req: Request, tok: int, lp: float | None, top: list | None, now: float) -> StepOutput:
         req.first_token_time = req.first_token_time or now
         req.output_ids.append(tok)
+        new_lp, new_top = ([lp], [top]) if lp is not None else ([], [])
+        req.logprobs += new_lp
+        req.top_logprobs += new_top
         rejected = req.sampling.append(tok)  # penalty counts; the grammar, where there is one
         if rejected is not None:
             return self._fail(req, RequestFailed(rejected))
-        p = req.params
-        if tok in self.eos_ids and not p.ignore_eos:
+        p, grammar = req.params, req.sampling.grammar
+        if grammar is not None and grammar.is_terminated():  # the value is complete (its end token taken)
+            req.finish_reason = "stop"
+        elif tok in self.eos_ids and not p.ignore_eos:
             req.finish_reason = "stop"
         elif req.detokenizer.add(tok):
             req.finish_reason = "stop"
@@ -229,7 +272,7 @@ class LLMEngine:
             req.finish_reason = "length"
         if req.finished:
             self.scheduler.remove(req)
-        return StepOutput(req, [tok], req.detokenizer.delta(req.finished), req.finished)
+        return StepOutput(req, [tok], req.detokenizer.delta(req.finished), req.finished, new_lp, new_top)
 
     def _fail(self, req: Request, exc: BaseException) -> StepOutput:
         self.scheduler.remove(req)

@@ -25,6 +25,7 @@ from server.config import ServeConfig
 from server.engine import LLMEngine
 from server.metrics import ServingMetrics
 from server.runner import BlockRunner
+from server.structured import StructuredOutputs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +54,7 @@ class Loaded:
     metrics: ServingMetrics
     dtype: str
     weights: str
+    structured: StructuredOutputs  # response_format grammars for this tokenizer (built once: walks the vocabulary)
 
 
 def bank_path(bank: str | None) -> Path | None:
@@ -101,7 +103,7 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
     return Loaded(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
                   router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name,
-                  weights)
+                  weights, StructuredOutputs(lm.tokenizer, lm.model.config.vocab_size))
 
 
 async def in_own_thread(fn, *args):

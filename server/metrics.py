@@ -129,7 +129,8 @@ class ServingMetrics:
             if last is None:  # this step prefilled the request
                 self._scheduled(req)
                 self.prompt_tokens.inc(len(req.prompt_ids))
-                self.ttft.observe(req.first_token_time - req.arrival)
+                if req.first_token_time is not None:  # None: scored only (max_tokens 0), no token
+                    self.ttft.observe(req.first_token_time - req.arrival)
                 self.queue.observe(req.scheduled_time - self._queued.pop(req.request_id))
             else:
                 self.itl.observe(now - last)

@@ -14,7 +14,7 @@ import torch
 
 from router.router import Route
 from server.detokenizer import Detokenizer
-from server.sampling import RowState, SamplingParams
+from server.sampling import Grammar, RowState, SamplingParams
 
 _ids = itertools.count()
 
@@ -26,6 +26,8 @@ class Request:
     params: SamplingParams
     mask_id: str | None = "dense"
     routing_text: str | None = None
+    grammar: Grammar | None = None  # the response format's matcher (structured outputs)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (echo); None: the prompt is not scored
     route: Route | None = None  # set when the engine routed the request
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
@@ -39,10 +41,19 @@ class Request:
     scheduled_time: float | None = None
     sampling: RowState | None = None  # penalties' token counts, seeded generator, grammar
     detokenizer: Detokenizer | None = None
+    # per output token when params.logprobs is set; per prompt token (the first None) when scored
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_lps: list[float | None] = field(default_factory=list)
+    prompt_tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

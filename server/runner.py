@@ -195,6 +195,16 @@ class BlockRunner:
         return self.lm_head(h[torch.arange(len(chunks), device=self.device), lengths - 1])
 
     @torch.inference_mode()
+    def extend_scoring(self, chunks: list[list[int]], starts: list[int], masks: torch.Tensor, slots: list[int],
+                       rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``extend``, plus the logits of every chunk position [length, V] of ``rows`` (prompt
+        scoring); the vocabulary projection runs at those positions only."""
+        h = self.extend_hidden(chunks, starts, masks, slots)
+        lengths = torch.tensor([len(c) for c in chunks], device=self.device)
+        last = self.lm_head(h[torch.arange(len(chunks), device=self.device), lengths - 1])
+        return last, [self.lm_head(h[i, :len(chunks[i])]) for i in rows]
+
+    @torch.inference_mode()
     def extend_hidden(self, chunks: list[list[int]], starts: list[int], masks: torch.Tensor,
                       slots: list[int]) -> torch.Tensor:
         """``extend`` returning the final-norm hidden states of every chunk position [B, T, H]

@@ -8,6 +8,7 @@ request to be routed by the engine at admission; queue, then answer or stream ch
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -27,7 +28,10 @@ from server.config import ServeConfig
 from server.errors import APIError, from_validation
 from server.loading import Loaded, in_own_thread, load_served
 from server.metrics import count_error
+from server.engine import StepOutput
 from server.request import Request as EngineRequest
+from server.sampling import SEED_RANGE
+from server.structured import Matcher
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI; chat defaults to what the limit and the context allow
 RETRY_AFTER_FULL_S = 1
@@ -142,9 +146,8 @@ class OpenAIServing:
         encode = loaded.tokenizer
         return (await self.off_loop(lambda: encode(text, add_special_tokens=add_special_tokens)))["input_ids"]
 
-    async def prompt_of(self, loaded: Loaded, body: protocol.CompletionRequest) -> tuple[list[int], str]:
-        """Token ids and routing text of a completion prompt (text or token ids)."""
-        prompt = body.prompts()[0]
+    async def prompt_of(self, loaded: Loaded, prompt: str | list[int]) -> tuple[list[int], str]:
+        """Token ids and text (routing, echo) of one completion prompt (text or token ids)."""
         if isinstance(prompt, list):  # token ids
             self.check_token_ids(loaded, prompt, "prompt")
             return list(prompt), loaded.tokenizer.decode(prompt)
@@ -169,15 +172,19 @@ class OpenAIServing:
     # ------------------------------------------------------------------ endpoints
     async def completion(self, http: Request):
         arrival, loaded, body = await self.accept(http, protocol.CompletionRequest)
-        ids, text = await self.prompt_of(loaded, body)
-        max_tokens = self.max_tokens(loaded, body, len(ids), "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
-        return await self.generate(http, loaded, body, ids, text, max_tokens, arrival, chat=False)
+        prompts = []
+        for prompt in body.prompts():
+            ids, text = await self.prompt_of(loaded, prompt)
+            max_tokens = self.max_tokens(loaded, body, len(ids), "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
+            prompts.append(Prompt(ids, text, max_tokens))
+        return await self.generate(http, loaded, body, prompts, arrival, chat=False)
 
     async def chat(self, http: Request):
         arrival, loaded, body = await self.accept(http, protocol.ChatCompletionRequest)
         ids, turns = await self.chat_prompt(loaded, body.messages)
         max_tokens = self.max_tokens(loaded, body, len(ids), "messages", self.cfg.max_tokens_limit)
-        return await self.generate(http, loaded, body, ids, chat_routing_text(turns), max_tokens, arrival, chat=True)
+        return await self.generate(http, loaded, body, [Prompt(ids, chat_routing_text(turns), max_tokens)], arrival,
+                                   chat=True)
 
     async def tokenize_request(self, http: Request) -> protocol.TokenizeResponse:
         """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
@@ -223,31 +230,64 @@ class OpenAIServing:
             raise APIError(400, f"unknown mask '{choice}'; valid: {valid}", param="igserve.mask", code="unknown_mask")
         return choice
 
-    async def generate(self, http: Request, loaded: Loaded, body: protocol.GenerationRequest,
-                       prompt_ids: list[int], routing_text: str, max_tokens: int, arrival: float, chat: bool):
-        _refuse_unserved(body)
+    async def engine_requests(self, loaded: Loaded, body: protocol.GenerationRequest, prompts: list[Prompt],
+                              arrival: float, response_id: str) -> list[EngineRequest]:
+        """One engine request per choice: prompt i, choice j at index i * n + j."""
         mask_id = self.choose_mask(loaded, body.igserve.mask)
-        params = body.sampling_params(max_tokens, loaded.vocab_size)
         mask = None if mask_id is None else loaded.masks[mask_id].mask
-        req = EngineRequest(prompt_ids, mask, params, mask_id=mask_id, routing_text=routing_text, arrival=arrival,
-                            request_id=protocol.new_id("chatcmpl" if chat else "cmpl"))
+        grammar = await self.grammar(loaded, body)
+        total = len(prompts) * body.n
+        if total > loaded.engine.capacity:
+            raise APIError(400, f"{total} choices ({len(prompts)} prompts x n {body.n}) are more than this server "
+                                f"holds at once ({loaded.engine.capacity})", param="n" if body.n > 1 else "prompt")
+        scored = getattr(body, "echo", False) and body.logprobs_count() is not None
+        reqs = []
+        for prompt in prompts:
+            params = body.sampling_params(prompt.max_tokens, loaded.vocab_size)
+            for j in range(body.n):
+                choice = dataclasses.replace(params, seed=choice_seed(params.seed, j))
+                reqs.append(EngineRequest(
+                    list(prompt.ids), mask, choice, mask_id=mask_id, routing_text=prompt.text, arrival=arrival,
+                    request_id=response_id if total == 1 else f"{response_id}-{len(reqs)}",
+                    prompt_logprobs=body.logprobs_count() if scored else None,
+                    grammar=None if grammar is None else Matcher(grammar)))
+        return reqs
+
+    async def grammar(self, loaded: Loaded, body: protocol.GenerationRequest):
+        """The compiled grammar of the response format (None: unconstrained); 400 when it cannot be built."""
+        fmt = body.response_format_dict()
+        if fmt is None:
+            return None
         try:
-            stream = loaded.engine.submit(req)
-        except QueueFull:
-            raise _queue_full(loaded.engine) from None
-        except EngineClosed as exc:
-            raise _unavailable(exc) from None
-        reply = Reply(self, loaded, req, chat)
+            return await self.off_loop(loaded.structured.compile, fmt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="response_format") from None
+
+    async def generate(self, http: Request, loaded: Loaded, body: protocol.GenerationRequest, prompts: list[Prompt],
+                       arrival: float, chat: bool):
+        _refuse_unserved(body)
+        response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        reqs = await self.engine_requests(loaded, body, prompts, arrival, response_id)
+        streams = []
+        try:
+            for req in reqs:
+                streams.append(loaded.engine.submit(req))
+        except (QueueFull, EngineClosed) as exc:
+            for req in reqs:
+                loaded.engine.abort(req)
+            raise (_queue_full(loaded.engine) if isinstance(exc, QueueFull) else _unavailable(exc)) from None
+        reply = Reply(self, loaded, reqs, chat, body, response_id, [p.text for p in prompts])
         if body.stream:
-            return StreamingResponse(reply.sse(stream, body.include_usage()), media_type="text/event-stream",
+            return StreamingResponse(reply.sse(streams), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(_drain(stream))
+        collect = asyncio.ensure_future(asyncio.gather(*(_drain(s) for s in streams)))
         gone = asyncio.ensure_future(_until_disconnect(http))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            loaded.engine.abort(req)  # no-op when finished; frees the slot when the client left
+            for req in reqs:
+                loaded.engine.abort(req)  # no-op when finished; frees the slot when the client left
         if not collect.done():
             collect.cancel()
             return Response(status_code=499)  # client closed the connection; nobody reads this
@@ -258,20 +298,31 @@ class OpenAIServing:
         return JSONResponse(reply.response().model_dump())
 
 
+@dataclasses.dataclass
+class Prompt:
+    ids: list[int]
+    text: str  # routing text; with echo, the text put before the completion
+    max_tokens: int
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """Choice j of a seeded request draws with seed + j (wrapped into the seed range), so the
+    choices differ and each is reproducible on its own."""
+    if seed is None or j == 0:
+        return seed
+    low, high = SEED_RANGE
+    return (seed + j - low) % (high - low) + low
+
+
 def _refuse_unserved(body: protocol.GenerationRequest) -> None:
     """A 400 naming a field the protocol accepts but this serving path does not carry out."""
     chat = isinstance(body, protocol.ChatCompletionRequest)
     if chat and body.wants_tool_calls():
         raise APIError(400, "tool calling is not supported: tools are not rendered into the prompt nor parsed "
                             "from the output (send no tools, or tool_choice 'none')", param="tools")
-    used = [("n", body.n > 1), ("logprobs", body.logprobs_count() is not None),
-            ("response_format", body.response_format_dict() is not None),
-            ("stream_options.continuous_usage_stats", body.continuous_usage()),
-            ("echo", not chat and body.echo), ("prompt", not chat and len(body.prompts()) > 1),
-            ("messages", chat and any(m.tool_calls for m in body.messages))]
-    for param, on in used:
-        if on:
-            raise APIError(400, f"'{param}' is not supported by this server yet", param=param)
+    if chat and any(m.tool_calls for m in body.messages):
+        raise APIError(400, "'messages' with tool_calls are not supported: the chat template cannot render calls",
+                       param="messages")
 
 
 def _queue_full(engine: AsyncEngine) -> APIError:
@@ -295,76 +346,154 @@ async def _drain(stream) -> None:
         pass
 
 
+async def _merge(streams):
+    """(choice index, StepOutput) from every choice's stream as they come; a failed choice's
+    exception is raised (the response then ends with an error)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k, stream):
+        try:
+            async for out in stream:
+                queue.put_nowait((k, out))
+        except Exception as exc:
+            queue.put_nowait((k, exc))
+        queue.put_nowait((k, None))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            k, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def _until_disconnect(http: Request) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
 
 
 class Reply:
-    """OpenAI response objects for one request, completion or chat flavour."""
+    """OpenAI response objects for one request (all its choices), completion or chat flavour."""
 
-    def __init__(self, service: OpenAIServing, loaded: Loaded, req: EngineRequest, chat: bool):
-        self.service, self.loaded, self.req, self.chat = service, loaded, req, chat
+    def __init__(self, service: OpenAIServing, loaded: Loaded, reqs: list[EngineRequest], chat: bool,
+                 body: protocol.GenerationRequest, response_id: str, prompt_texts: list[str]):
+        self.service, self.loaded, self.reqs, self.chat = service, loaded, reqs, chat
+        self.id, self.n = response_id, body.n
+        self.top = body.logprobs_count()  # None: no logprobs
+        self.echo = not chat and body.echo
+        self.include_usage, self.continuous = body.include_usage(), body.continuous_usage()
+        self.prompt_texts = prompt_texts
+        self._offset = [0] * len(reqs)  # streamed completions: text_offset of each choice's next token
 
     def info(self) -> protocol.IgserveInfo:
-        """The mask the request runs under; known once the engine has scheduled it."""
-        req, choice = self.req, self.loaded.masks[self.req.mask_id]
+        """The mask the (first) request runs under; known once the engine has scheduled it."""
+        req = self.reqs[0]
+        choice = self.loaded.masks[req.mask_id]
         return protocol.IgserveInfo(mask=req.mask_id, skip_ratio=choice.skip_ratio, compute_saved=choice.compute_saved,
                                     router_ms=req.route.router_ms if req.route else 0.0,
                                     distance=req.route.distance if req.route else None)
 
-    def usage(self) -> protocol.Usage:
-        n_prompt, n_out = len(self.req.prompt_ids), len(self.req.output_ids)
+    def usage(self, reqs: list[EngineRequest] | None = None) -> protocol.Usage:
+        """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
+        reqs = self.reqs if reqs is None else reqs
+        n_prompt = sum(len(r.prompt_ids) for k, r in enumerate(reqs) if reqs is not self.reqs or k % self.n == 0)
+        n_out = sum(len(r.output_ids) for r in reqs)
         return protocol.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
 
     def _common(self) -> dict:
-        return {"id": self.req.request_id, "model": self.loaded.name, "igserve": self.info()}
+        return {"id": self.id, "model": self.loaded.name, "igserve": self.info()}
+
+    def _chat_lp(self, ids: list[int], lps: list[float], tops: list) -> protocol.ChatLogprobs | None:
+        if self.top is None:
+            return None
+        return protocol.chat_logprobs(self.loaded.tokenizer, ids[:len(lps)], lps, tops)
+
+    def _completion_lp(self, k: int, ids: list[int], lps: list, tops: list) -> protocol.CompletionLogprobs | None:
+        if self.top is None:
+            return None
+        out = protocol.completion_logprobs(self.loaded.tokenizer, ids[:len(lps)], lps, tops, self._offset[k])
+        if out.tokens:
+            last = protocol.token_bytes(self.loaded.tokenizer, ids[len(lps) - 1]).decode(errors="ignore")
+            self._offset[k] = out.text_offset[-1] + len(last)
+        return out
+
+    def _prompt_part(self, k: int) -> tuple[str, list[int], list, list]:
+        """With echo: the prompt's text, ids and logprobs that come before choice k's completion."""
+        if not self.echo:
+            return "", [], [], []
+        req = self.reqs[k]
+        return self.prompt_texts[k // self.n], req.prompt_ids, req.prompt_lps, req.prompt_tops
 
     def response(self) -> BaseModel:
-        req = self.req
         if self.chat:
-            return protocol.ChatCompletionResponse(
-                **self._common(), usage=self.usage(),
-                choices=[protocol.ChatChoice(message=protocol.ChatMessageOut(content=req.text),
-                                             finish_reason=req.finish_reason)])
-        return protocol.CompletionResponse(
-            **self._common(), usage=self.usage(),
-            choices=[protocol.CompletionChoice(text=req.text, finish_reason=req.finish_reason)])
+            return protocol.ChatCompletionResponse(**self._common(), usage=self.usage(), choices=[
+                protocol.ChatChoice(index=k, message=protocol.ChatMessageOut(content=r.text),
+                                    logprobs=self._chat_lp(r.output_ids, r.logprobs, r.top_logprobs),
+                                    finish_reason=r.finish_reason) for k, r in enumerate(self.reqs)])
+        choices = []
+        for k, r in enumerate(self.reqs):
+            text, ids, lps, tops = self._prompt_part(k)
+            logprobs = self._completion_lp(k, ids + r.output_ids, lps + r.logprobs, tops + r.top_logprobs)
+            choices.append(protocol.CompletionChoice(index=k, text=text + r.text, logprobs=logprobs,
+                                                     finish_reason=r.finish_reason))
+        return protocol.CompletionResponse(**self._common(), usage=self.usage(), choices=choices)
 
-    def chunk(self, text: str, finish_reason: str | None = None, role: bool = False) -> BaseModel:
+    def chunk(self, k: int, out: StepOutput | None, text: str, prompt: tuple = ((), (), ())) -> BaseModel:
+        """Choice k's chunk for one step's output (None: the role chunk)."""
+        finish = self.reqs[k].finish_reason if out is not None and out.finished else None
+        ids, lps, tops = (list(p) for p in prompt)
+        if out is not None:
+            ids, lps, tops = ids + out.new_token_ids, lps + out.logprobs, tops + out.top_logprobs
+        usage = self.usage([self.reqs[k]]) if self.continuous else None
         if self.chat:
-            delta = protocol.ChatDelta(role="assistant" if role else None, content=text)
-            return protocol.ChatCompletionChunk(
-                **self._common(), choices=[protocol.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
-        return protocol.CompletionResponse(
-            **self._common(), choices=[protocol.CompletionChoice(text=text, finish_reason=finish_reason)])
+            delta = protocol.ChatDelta(role="assistant" if out is None else None, content=text)
+            return protocol.ChatCompletionChunk(**self._common(), usage=usage, choices=[protocol.ChatChunkChoice(
+                index=k, delta=delta, logprobs=self._chat_lp(ids, lps, tops) if lps else None,
+                finish_reason=finish)])
+        return protocol.CompletionResponse(**self._common(), usage=usage, choices=[protocol.CompletionChoice(
+            index=k, text=text, logprobs=self._completion_lp(k, ids, lps, tops) if lps else None,
+            finish_reason=finish)])
 
     def usage_chunk(self) -> BaseModel:
         kind = protocol.ChatCompletionChunk if self.chat else protocol.CompletionResponse
         return kind(**self._common(), choices=[], usage=self.usage())
 
-    async def sse(self, stream, include_usage: bool):
-        """``data:`` events: (chat) a role chunk, text deltas, the finish reason, usage, ``[DONE]``.
-        Every chunk names the mask, so the first waits for the engine to schedule (and route) the
-        request. A request the engine could not finish ends with an error event. Leaving early
-        (client gone) aborts the request."""
+    async def sse(self, streams):
+        """``data:`` events: per choice (chat) a role chunk, then text deltas, the last with the
+        finish reason; usage; ``[DONE]``. Every chunk names the mask, so the first waits for the
+        engine to schedule (and route) the request. A request the engine could not finish ends
+        with an error event. Leaving early (client gone) aborts every choice."""
         try:
-            first = True
-            async for out in stream:
-                if self.chat and first:
-                    yield _event(self.chunk("", role=True))
-                first = False
-                if out.delta or out.finished:
-                    yield _event(self.chunk(out.delta, self.req.finish_reason if out.finished else None))
-            if include_usage:
+            started = set()
+            async for k, out in _merge(streams):
+                prompt = ((), (), ())
+                text = out.delta
+                if k not in started:
+                    started.add(k)
+                    if self.chat:
+                        yield _event(self.chunk(k, None, ""))
+                    echo, *prompt = self._prompt_part(k)
+                    text = echo + text
+                if text or out.finished or out.logprobs:
+                    yield _event(self.chunk(k, out, text, prompt))
+            if self.include_usage:
                 yield _event(self.usage_chunk())
         except Exception as exc:  # the engine failed this request, or the server is stopping
             err = engine_error(exc)
-            log.warning("stream %s ended with an error: %s", self.req.request_id, exc)
+            log.warning("stream %s ended with an error: %s", self.id, exc)
             self.service.count_error(err.type)
             yield _event(err.response().body)
         finally:
-            self.loaded.engine.abort(self.req)
+            for req in self.reqs:
+                self.loaded.engine.abort(req)
         yield "data: [DONE]\n\n"
 
 

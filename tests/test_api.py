@@ -334,7 +334,6 @@ ERROR_CASES = [
     ("/completions", {"max_tokens": 0}, 400, "max_tokens", None),
     ("/completions", {"max_tokens": 201}, 400, "max_tokens", None),  # over --max-tokens-limit
     ("/chat/completions", {"max_completion_tokens": 500}, 400, "max_completion_tokens", None),
-    ("/completions", {"n": 2}, 400, "n", None),
     ("/completions", {"stop": 5}, 400, "stop", None),
     ("/completions", {"stop": ["a"] * (protocol.MAX_STOP_SEQUENCES + 1)}, 400, "stop", None),
     ("/completions", {"seed": "x"}, 400, "seed", None),
@@ -342,10 +341,8 @@ ERROR_CASES = [
     ("/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ("/completions", {"prompt": DELETE}, 400, "prompt", None),
     ("/completions", {"prompt": 42}, 400, "prompt", None),
-    ("/completions", {"prompt": ["two", "prompts"]}, 400, "prompt", None),
     ("/completions", {"prompt": [1, 10**9]}, 400, "prompt", None),
     ("/completions", {"prompt": ""}, 400, "prompt", None),
-    ("/completions", {"logprobs": 2}, 400, "logprobs", None),
     ("/completions", {"ignore_eos": "yes"}, 400, "ignore_eos", None),
     ("/completions", {"igserve": {"mask": 7}}, 400, "igserve.mask", None),
     ("/completions", {"igserve": {"mask": "nope"}}, 400, "igserve.mask", "unknown_mask"),
@@ -361,12 +358,16 @@ ERROR_CASES = [
      400, "messages[0].content", None),
     ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
     ("/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools[0].function", None),
-    ("/chat/completions", {"logprobs": True}, 400, "logprobs", None),
-    ("/completions", {"echo": True, "max_tokens": 0}, 400, "echo", None),
-    ("/completions", {"response_format": {"type": "json_object"}}, 400, "response_format", None),
     ("/completions", {"logit_bias": {"49152": 1}}, 400, "logit_bias", None),
     ("/completions", {"frequency_penalty": 2.5}, 400, "frequency_penalty", None),
     ("/completions", {"tools": []}, 400, "tools", None),  # completions have no tools: unknown field
+    ("/completions", {"n": protocol.MAX_N + 1}, 400, "n", None),
+    ("/completions", {"logprobs": protocol.MAX_COMPLETION_LOGPROBS + 1}, 400, "logprobs", None),
+    ("/completions", {"prompt": ["a"] * 3, "n": 5}, 400, "n", None),  # 15 choices > 4 slots + 8 waiting
+    ("/chat/completions", {"top_logprobs": 2}, 400, "top_logprobs", None),
+    ("/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, 400,
+     "response_format", None),
 ]
 
 
@@ -393,7 +394,7 @@ def test_error_objects(client, model, tiny, tiny_bank, path, change, status, par
 
 def test_sdk_exception_classes(live_server, client, model):
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model, prompt="hi", n=3)
+        client.completions.create(model=model, prompt="hi", temperature=3)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
     wrong = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="wrong", max_retries=0)
@@ -675,3 +676,48 @@ def test_tokenize_and_detokenize_as_vllm(live_server, model, tiny, tiny_bank):
         assert httpx.post(live_server.base_url + "/tokenize", json={"model": model, "prompt": "x"}).status_code == 401
     card = live_server.client().models.list().data[0]
     assert card.id == model and set(card.model_extra["masks"]) == set(tiny_bank.all_mask_ids())
+
+
+# ---------------------------------------------------------------------------- logprobs, echo, choices
+def test_logprobs_and_echo_equal_the_runner_log_softmax(client, model, tiny):
+    """Sampled-token logprobs and echoed prompt logprobs (max_tokens 0 and 1) are log_softmax of
+    the runner's full-sequence logits at those positions; the first prompt token has none."""
+    ids = tiny.tokenizer(PROMPTS["math"])["input_ids"]
+    r = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0, logprobs=2,
+                                  extra_body=mask_body("dense"))
+    out = r.choices[0].logprobs
+    full = ids + tiny.tokenizer(r.choices[0].text, add_special_tokens=False)["input_ids"]
+    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    lp = torch.log_softmax(runner.forward(torch.tensor([full]), torch.ones(8, dtype=torch.bool))[0].float(), -1)
+    expected = [lp[len(ids) - 1 + i, full[len(ids) + i]].item() for i in range(len(out.token_logprobs))]
+    assert out.token_logprobs == pytest.approx(expected, abs=1e-4) and len(out.token_logprobs) == 4
+    assert all(len(top) == 2 for top in out.top_logprobs)
+    prompt_lp = [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    for max_tokens in (0, 1):
+        e = client.completions.create(model=model, prompt=[ids, ids[:5]], max_tokens=max_tokens, echo=True,
+                                      logprobs=1, temperature=0, extra_body=mask_body("dense"))
+        assert [c.index for c in e.choices] == [0, 1]
+        first = e.choices[0]
+        assert first.logprobs.token_logprobs[0] is None
+        assert first.logprobs.token_logprobs[1:len(ids)] == pytest.approx(prompt_lp, abs=1e-4)
+        assert len(first.logprobs.token_logprobs) == len(ids) + max_tokens
+        assert first.text.startswith(tiny.tokenizer.decode(ids))
+        assert e.usage.prompt_tokens == len(ids) + 5 and e.usage.completion_tokens == 2 * max_tokens
+
+
+def test_chat_logprobs_n_and_json_schema(client, model):
+    messages = [{"role": "user", "content": "Give me a person."}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0.9, seed=3, n=3,
+                                       logprobs=True, top_logprobs=3, extra_body=mask_body("dense"))
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1  # seed + j per choice
+    assert all(len(c.logprobs.content) == 5 and len(c.logprobs.content[0].top_logprobs) == 3 for c in r.choices)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    j = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "person", "schema": schema, "strict": True}},
+                                       extra_body=mask_body("dense"))
+    import jsonschema
+    if j.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(j.choices[0].message.content), schema)

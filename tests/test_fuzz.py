@@ -16,8 +16,9 @@ from tests.conftest import TEST_API_KEY, metric_value
 EXAMPLES = int(os.environ.get("IGSERVE_FUZZ_EXAMPLES", "40"))
 
 
-# Validated, then answered 400 until the engine serves them (server.serving._refuse_unserved)
-PENDING = ("n", "best_of", "logprobs", "top_logprobs", "echo", "response_format", "stream_options")
+# Dropped from random bodies: random n x prompts mostly exceed the server's capacity (a 400), and
+# random schemas mostly fail to compile (a 400); either way few examples would reach the engine.
+PENDING = ("n", "best_of", "response_format")
 
 
 def steer(body: dict, model: str) -> None:

@@ -66,7 +66,7 @@ def test_metrics_move_with_requests(live_server, tiny, tiny_bank):
             info, usage = r.igserve, r.usage
         served.append((info["mask"], info["skip_ratio"], info["compute_saved"], usage.prompt_tokens,
                        usage.completion_tokens, mask == "auto"))
-    for bad in ({"temperature": -1}, {"n": 5}):
+    for bad in ({"temperature": -1}, {"n": 17}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=model, prompt="x", **bad)
     with pytest.raises(openai.NotFoundError):

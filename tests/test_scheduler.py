@@ -227,6 +227,9 @@ class _Allow:
     def accept_token(self, token):
         return token in self.allowed
 
+    def is_terminated(self):
+        return False
+
 
 def test_grammars_constrain_their_rows_and_a_row_with_no_allowed_token_fails_alone(tokenizer):
     eng = LLMEngine(FakeRunner(), tokenizer)
