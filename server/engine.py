@@ -152,7 +152,8 @@ class LLMEngine:
         if not todo:
             return []
         try:
-            routes = self.router.route([r.routing_text for r in todo])
+            routes = self.router.route([r.routing_text for r in todo], [r.budget for r in todo],
+                                       [r.max_loss for r in todo])
         except Exception as exc:  # only these requests fail; the running batch goes on
             log.exception("routing failed")
             return [(r, RequestFailed(f"routing failed: {exc}")) for r in todo]

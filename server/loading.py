@@ -55,6 +55,7 @@ class Loaded:
     dtype: str
     weights: str
     structured: StructuredOutputs  # response_format grammars for this tokenizer (built once: walks the vocabulary)
+    router: Router | None  # None: dense mode
 
 
 def bank_path(bank: str | None) -> Path | None:
@@ -103,7 +104,7 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
     return Loaded(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
                   router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name,
-                  weights, StructuredOutputs(lm.tokenizer, lm.model.config.vocab_size))
+                  weights, StructuredOutputs(lm.tokenizer, lm.model.config.vocab_size), router)
 
 
 async def in_own_thread(fn, *args):

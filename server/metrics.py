@@ -53,6 +53,10 @@ REQUEST_SUCCESS = Counter("igserve_request_success", "Finished requests by finis
                           [LABEL, "finished_reason"], registry=REGISTRY)
 REQUESTS_BY_MASK = Counter("igserve_requests_by_mask", "Admitted requests by the mask they run with.",
                            [LABEL, "mask"], registry=REGISTRY)
+ROUTER_FALLBACKS = Counter("igserve_router_fallbacks", "Routed requests that were out of distribution and took "
+                           "the budget's global mask.", [LABEL], registry=REGISTRY)
+REQUESTS_BY_BUDGET = Counter("igserve_requests_by_budget", "Routed requests by the budget (sparsity) of their mask.",
+                             [LABEL, "budget"], registry=REGISTRY)
 REQUEST_ERRORS = Counter("igserve_request_errors", "Error responses by OpenAI error type.",
                          [LABEL, "error_type"], registry=REGISTRY)
 DRAIN_CUT = Counter("igserve_drain_timeout_requests", "Requests still in flight at the drain timeout on shutdown, "
@@ -105,6 +109,9 @@ class ServingMetrics:
         self.saved.observe(compute_saved)
         if req.route is not None:
             self.router.observe(req.route.router_ms / 1000)
+            REQUESTS_BY_BUDGET.labels(self.model_name, f"{req.route.budget:g}").inc()
+            if req.route.fallback:
+                ROUTER_FALLBACKS.labels(self.model_name).inc()
 
     def drain_cut(self, n: int) -> None:
         if n:

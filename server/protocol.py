@@ -106,6 +106,8 @@ class NamedToolChoice(_Strict):
 # ---------------------------------------------------------------------------- requests
 class IgserveOptions(_Strict):
     mask: str = "auto"  # "auto" (route on the input), "dense", or a mask id of the bank
+    budget: float | None = None  # routed requests: a sparsity the bank holds (default: the bank's)
+    max_loss: float | None = Field(None, ge=0)  # routed: the sparsest mask predicted to add at most this loss
 
 
 class StreamOptions(_Strict):
@@ -331,6 +333,9 @@ class IgserveInfo(BaseModel):
     compute_saved: float  # fraction of parameters per token the mask does not touch
     router_ms: float  # time spent routing (0 when the mask was forced)
     distance: float | None = None  # cosine distance to the chosen centroid (routed requests)
+    budget: float | None = None  # sparsity of the chosen mask's budget (routed requests)
+    fallback: bool = False  # out of distribution: the budget's global mask was used
+    predicted_loss: float | None = None  # learned router: predicted excess loss per token (nats)
 
 
 class Usage(BaseModel):

@@ -29,6 +29,8 @@ class Request:
     grammar: Grammar | None = None  # the response format's matcher (structured outputs)
     prompt_logprobs: int | None = None  # top logprobs per prompt token (echo); None: the prompt is not scored
     route: Route | None = None  # set when the engine routed the request
+    budget: float | None = None  # routing options (None: the bank's default)
+    max_loss: float | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
     # progress, owned by the engine thread

@@ -230,11 +230,27 @@ class OpenAIServing:
             raise APIError(400, f"unknown mask '{choice}'; valid: {valid}", param="igserve.mask", code="unknown_mask")
         return choice
 
+    @staticmethod
+    def routing_options(loaded: Loaded, opts: protocol.IgserveOptions, mask_id: str | None):
+        """(budget, max_loss) of a routed request, checked against the bank; 400 when it cannot serve them."""
+        if opts.budget is None and opts.max_loss is None:
+            return None, None
+        param = "igserve.budget" if opts.budget is not None else "igserve.max_loss"
+        if mask_id is not None:
+            raise APIError(400, "budget and max_loss choose among routed masks: send them with mask 'auto' and a "
+                                "mask bank", param=param)
+        try:
+            loaded.router.check(opts.budget, opts.max_loss)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+        return opts.budget, opts.max_loss
+
     async def engine_requests(self, loaded: Loaded, body: protocol.GenerationRequest, prompts: list[Prompt],
                               arrival: float, response_id: str) -> list[EngineRequest]:
         """One engine request per choice: prompt i, choice j at index i * n + j."""
         mask_id = self.choose_mask(loaded, body.igserve.mask)
         mask = None if mask_id is None else loaded.masks[mask_id].mask
+        budget, max_loss = self.routing_options(loaded, body.igserve, mask_id)
         grammar = await self.grammar(loaded, body)
         total = len(prompts) * body.n
         if total > loaded.engine.capacity:
@@ -248,6 +264,7 @@ class OpenAIServing:
                 choice = dataclasses.replace(params, seed=choice_seed(params.seed, j))
                 reqs.append(EngineRequest(
                     list(prompt.ids), mask, choice, mask_id=mask_id, routing_text=prompt.text, arrival=arrival,
+                    budget=budget, max_loss=max_loss,
                     request_id=response_id if total == 1 else f"{response_id}-{len(reqs)}",
                     prompt_logprobs=body.logprobs_count() if scored else None,
                     grammar=None if grammar is None else Matcher(grammar)))
@@ -397,9 +414,12 @@ class Reply:
         """The mask the (first) request runs under; known once the engine has scheduled it."""
         req = self.reqs[0]
         choice = self.loaded.masks[req.mask_id]
+        route = req.route
         return protocol.IgserveInfo(mask=req.mask_id, skip_ratio=choice.skip_ratio, compute_saved=choice.compute_saved,
-                                    router_ms=req.route.router_ms if req.route else 0.0,
-                                    distance=req.route.distance if req.route else None)
+                                    router_ms=route.router_ms if route else 0.0,
+                                    distance=route.distance if route else None,
+                                    budget=route.budget if route else None, fallback=bool(route and route.fallback),
+                                    predicted_loss=route.predicted_loss if route else None)
 
     def usage(self, reqs: list[EngineRequest] | None = None) -> protocol.Usage:
         """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""

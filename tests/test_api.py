@@ -721,3 +721,17 @@ def test_chat_logprobs_n_and_json_schema(client, model):
     import jsonschema
     if j.choices[0].finish_reason == "stop":
         jsonschema.validate(json.loads(j.choices[0].message.content), schema)
+
+
+def test_routing_options_budget_and_max_loss(client, model, tiny_bank):
+    """igserve.budget picks among the bank's budgets; a budget it lacks, max_loss on a centroid
+    bank, or either with a forced mask is a 400 naming the field; responses say budget and fallback."""
+    r = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=2,
+                                  extra_body={"igserve": {"budget": 0.25}})
+    info = r.model_extra["igserve"]
+    assert info["budget"] == 0.25 and info["fallback"] is False and info["mask"] in tiny_bank.mask_ids
+    for igserve, param in (({"budget": 0.5}, "igserve.budget"), ({"max_loss": 0.1}, "igserve.max_loss"),
+                           ({"mask": "dense", "budget": 0.25}, "igserve.budget")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"igserve": igserve})
+        assert exc.value.body["param"] == param, exc.value.body
