@@ -23,29 +23,22 @@ def block_influence(runner, targets: Targets, batch_size: int = 8) -> torch.Tens
 
     ShortGPT keeps the most influential blocks: ``hard_concrete.binarise(influence, sparsity)``.
 
-    The residual streams are read as the inputs of the pre-norms (attn_i: input_layernorm, ffn_i:
-    post_attention_layernorm) and of the final norm, in a dense forward through the runner.
+    The residual streams entering each block and the final norm come from a dense forward through
+    the runner.
     """
-    norms = [n for layer in runner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    norms.append(runner.norm)
     streams: list[torch.Tensor] = []
-    hooks = [n.register_forward_pre_hook(lambda _m, args: streams.append(args[0])) for n in norms]
     dense = torch.ones(runner.num_blocks, dtype=torch.bool)
     total = torch.zeros(runner.num_blocks, dtype=torch.float64)
     count = 0
-    try:
-        for start in tqdm(range(0, len(targets), batch_size), desc="block influence", unit="batch", leave=False):
-            sl = slice(start, start + batch_size)
-            valid = targets.valid[sl]
-            streams.clear()
-            runner.hidden(targets.ids[sl], dense, valid)
-            for j in range(runner.num_blocks):
-                cos = F.cosine_similarity(streams[j].float(), streams[j + 1].float(), dim=-1)
-                total[j] += float(cos[valid].sum())
-            count += int(valid.sum())
-    finally:
-        for h in hooks:
-            h.remove()
+    for start in tqdm(range(0, len(targets), batch_size), desc="block influence", unit="batch", leave=False):
+        sl = slice(start, start + batch_size)
+        valid = targets.valid[sl]
+        streams.clear()
+        runner.hidden(targets.ids[sl], dense, valid, streams=streams)
+        for j in range(runner.num_blocks):
+            cos = F.cosine_similarity(streams[j].float(), streams[j + 1].float(), dim=-1)
+            total[j] += float(cos[valid].sum())
+        count += int(valid.sum())
     return (1.0 - total / count).float()
 
 

@@ -91,7 +91,8 @@ class BlockRunner:
         # Rotary cos/sin for every position, computed once by the model's own rotary module.
         with torch.no_grad():
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = self.rotary(probe, torch.arange(self.max_len, device=self.device)[None])
+            positions = max(self.max_len, self.config.max_position_embeddings)  # cache-free forwards may be longer
+            cos, sin = self.rotary(probe, torch.arange(positions, device=self.device)[None])
         self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
 
     # ------------------------------------------------------------------ cost model
@@ -128,8 +129,9 @@ class BlockRunner:
         g, u = self.gate_up[i](x).chunk(2, dim=-1)
         return self.layers[i].mlp.down_proj(self.act(g) * u)
 
-    def _forward(self, ids, positions, gates, attn_mask, cache_rows=None):
-        """Hidden states after the final norm, [B, T, H]."""
+    def _forward(self, ids, positions, gates, attn_mask, cache_rows=None, streams: list | None = None):
+        """Hidden states after the final norm, [B, T, H]; ``streams`` collects the residual stream
+        entering each block and the final norm (block influence)."""
         h = self.embed(ids)
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, T, 1, D]
         hard = gates.dtype == torch.bool
@@ -138,6 +140,8 @@ class BlockRunner:
         batch = ids.shape[0]
         blend = hard and ids.shape[1] == 1 and cache_rows is not None  # decode: see the module docstring
         for j, count in enumerate(counts):
+            if streams is not None:
+                streams.append(h)
             if count == 0:
                 continue
             rows = None if count == batch or blend else keep[:, j].nonzero().squeeze(1)
@@ -163,6 +167,8 @@ class BlockRunner:
                 h = torch.where(keep[:, j, None, None], h + out, h)
             else:
                 h = h + out
+        if streams is not None:
+            streams.append(h)
         return _rms_norm(h, self.norm.weight, self.final_eps)
 
     # ------------------------------------------------------------------ public entry points
@@ -178,13 +184,14 @@ class BlockRunner:
         ``attention_mask`` [B, T] marks real tokens of right-padded rows."""
         return self.lm_head(self.hidden(input_ids, gates, attention_mask))
 
-    def hidden(self, input_ids: torch.Tensor, gates: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        """Final-norm hidden states [B, T, H] without the cache."""
+    def hidden(self, input_ids: torch.Tensor, gates: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               streams: list | None = None):
+        """Final-norm hidden states [B, T, H] without the cache (``streams``: see ``_forward``)."""
         input_ids = input_ids.to(self.device)
         b, t = input_ids.shape
         positions = torch.arange(t, device=self.device).expand(b, t)
         return self._forward(input_ids, positions, self._gates(gates).expand(b, -1),
-                             _prefill_mask(attention_mask, b, t, self.device))
+                             _prefill_mask(attention_mask, b, t, self.device), streams=streams)
 
     @torch.inference_mode()
     def extend(self, chunks: list[list[int]], starts: list[int], masks: torch.Tensor, slots: list[int]) -> torch.Tensor:

@@ -307,7 +307,7 @@ def test_engine_routes_the_requests_it_admits_in_one_encoder_batch(tiny, tiny_ba
     router = Router(tiny_bank)
     calls = []
     original = router.route
-    router.route = lambda texts: calls.append(list(texts)) or original(texts)
+    router.route = lambda texts, *options: calls.append(list(texts)) or original(texts, *options)
     engine = LLMEngine(BlockRunner(tiny.model, max_slots=4, max_len=256), tiny.tokenizer, router=router)
     texts = list(TINY_BANK_TEXTS.values()) + ["Integrate x squared from zero to one.", "def add(a, b): return a + b"]
     params = SamplingParams(max_tokens=2, temperature=0)
