@@ -38,8 +38,9 @@ class ServeConfig:
     max_model_len: int = _opt(2048, "context length (prompt + output) the KV cache is sized for")
     max_num_batched_tokens: int | None = _opt(None, "tokens per engine step while requests are decoding: one per "
                                                     "decoding request, the rest for prefill chunks (long prompts "
-                                                    "are prefilled over several steps); default: measured at "
-                                                    "start-up, as many prefill tokens as one decode step takes")
+                                                    "are prefilled over several steps); default: sized per step "
+                                                    "from the step cost measured at start-up, so a chunk adds at "
+                                                    "most 0.75x the step's decode time")
     max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body; larger bodies get 413")
     drain_timeout: float = _opt(30.0, "seconds in-flight requests may take to finish on SIGTERM; then they end "
                                       "with an error and the process exits")

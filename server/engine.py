@@ -24,7 +24,7 @@ from server.detokenizer import Detokenizer, backend
 from server.request import Request
 from server.runner import BlockRunner
 from server.sampling import RowState, sample
-from server.scheduler import Chunk, Scheduler
+from server.scheduler import Chunk, Scheduler, StepCost
 
 __all__ = ["LLMEngine", "Request", "StepOutput"]
 
@@ -82,11 +82,11 @@ class LLMEngine:
         dense = torch.ones(1, self.runner.num_blocks, dtype=torch.bool)
         self.runner.prefill([[0] * 8], dense, [self.scheduler.free_slots[0]])  # a free slot: nothing to overwrite
         if self._measure_budget:
-            self.scheduler.set_budget(self.measure_budget())
+            self.scheduler.cost = self.measure_cost()
 
-    def measure_budget(self, chunk: int = 64, repeats: int = 3) -> int:
-        """Tokens per step such that a step's prefill chunk takes about as long as decoding a full
-        batch: then a step that prefills beside decoding is at most about twice a plain decode step."""
+    def measure_cost(self, repeats: int = 3) -> StepCost:
+        """Time decode steps (1 and a full batch of rows) and prefill chunks (8 and 64 tokens) on the
+        serving thread, so the scheduler can size each step's prefill chunk by its decode time."""
         n = self.max_batch
         dense = torch.ones(n, self.runner.num_blocks, dtype=torch.bool)
         slots = list(range(n))  # all free at warm-up
@@ -100,13 +100,16 @@ class LLMEngine:
                 times.append(time.perf_counter() - start)
             return sorted(times)[len(times) // 2]
 
-        self.runner.prefill([[0] * chunk], dense[:1], slots[:1])
-        per_token = timed(lambda: self.runner.extend([[0] * chunk], [0], dense[:1], slots[:1])) / chunk
-        decode = timed(lambda: self.runner.decode([0] * n, [chunk] * n, dense, slots))
-        budget = max(n + 16, n + int(decode / per_token))
-        log.info("token budget %d per step (decode of %d rows %.1f ms, prefill %.2f ms/token)", budget, n,
-                 decode * 1000, per_token * 1000)
-        return budget
+        self.runner.prefill([[0] * 64], dense[:1], slots[:1])
+        chunk = {t: timed(lambda t=t: self.runner.extend([[0] * t], [0], dense[:1], slots[:1])) for t in (8, 64)}
+        decode = {r: timed(lambda r=r: self.runner.decode([0] * r, [64] * r, dense[:r], slots[:r])) for r in (1, n)}
+        per_row = max(0.0, (decode[n] - decode[1]) / max(n - 1, 1))
+        per_token = max((chunk[64] - chunk[8]) / 56, 1e-6)
+        cost = StepCost(decode[1] - per_row, per_row, max(0.0, chunk[8] - 8 * per_token), per_token)
+        log.info("step cost: decode %.1f ms + %.2f ms/row, prefill chunk %.1f ms + %.2f ms/token: chunks of "
+                 "%d tokens beside 1 decoding row, %d beside %d", cost.decode_s * 1e3, per_row * 1e3,
+                 cost.chunk_s * 1e3, per_token * 1e3, cost.prefill_tokens(1), cost.prefill_tokens(n), n)
+        return cost
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:

@@ -1,10 +1,14 @@
 """Which requests run in the next engine step, and how much of each: a per-step token budget.
 
-Every running request that is decoding gets its one token first; what is left of
-``max_num_batched_tokens`` goes to prefill chunks: first the prompts already being prefilled,
-then new admissions while cache slots are free. A long prompt is prefilled in chunks over
-several steps, so it never stalls the streams already running for longer than one chunk. While
-nothing is decoding there is no stream to stall, and a step may prefill up to ``idle_budget``.
+Every running request that is decoding gets its one token first; the rest of the step's budget
+goes to prefill chunks: first the prompts already being prefilled, then new admissions while
+cache slots are free. A long prompt is prefilled in chunks over several steps, so it never stalls
+the streams already running for longer than one chunk. The budget is either fixed
+(``max_num_batched_tokens``, decode rows included, as vLLM's) or follows a measured ``StepCost``:
+prefill tokens whose chunk takes at most ``STALL`` times the step's own decode time, so a step that
+prefills is never much longer than one that does not, however many rows decode. While nothing is
+decoding there is no stream to stall, and a step may prefill up to ``idle_budget`` (``IDLE_CHUNK``
+with a ``StepCost``: long enough to run at full speed, short enough that a new arrival waits little).
 Prefill rows of one step are right-padded to the longest chunk, so the budget counts padded
 tokens. The scheduler knows nothing of models: it returns a plain ``Schedule`` that maps onto
 the runner's calls, and is tested with a fake runner.
@@ -34,6 +38,28 @@ class Chunk:
         return self.request.prompt_ids[self.start:self.start + self.length]
 
 
+STALL = 0.75  # a prefill chunk may add this share of the step's decode time
+MIN_CHUNK = 4  # prefill tokens a step always has room for, so prompts progress under any load
+IDLE_CHUNK = 512  # prefill tokens of a step with nothing decoding: new arrivals wait one such step at most
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Measured step time (at start-up): decoding r rows takes ``decode_s + per_row_s * r``, a
+    prefill chunk of t tokens ``chunk_s + per_token_s * t`` (a second forward, so it has its own
+    fixed cost)."""
+
+    decode_s: float
+    per_row_s: float
+    chunk_s: float
+    per_token_s: float
+
+    def prefill_tokens(self, rows: int) -> int:
+        """Prefill tokens for a step with ``rows`` decoding rows."""
+        room = STALL * (self.decode_s + self.per_row_s * rows) - self.chunk_s
+        return max(MIN_CHUNK, int(room / self.per_token_s))
+
+
 @dataclass
 class Schedule:
     decode: list[Request] = field(default_factory=list)  # one token each, in slot order
@@ -48,6 +74,7 @@ class Scheduler:
     def __init__(self, num_slots: int, max_num_batched_tokens: int, idle_budget: int | None = None):
         self.num_slots = num_slots
         self.set_budget(max_num_batched_tokens)
+        self.cost: StepCost | None = None  # set: the budget follows it instead
         self.idle_budget = max(idle_budget or 0, max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in slot order
@@ -58,6 +85,14 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least the number of "
                              f"slots ({self.num_slots}), so that every running request can decode in each step")
         self.budget = max_num_batched_tokens
+
+    def prefill_budget(self, decoding: int) -> int:
+        """Padded prefill tokens the next step may run beside ``decoding`` decode rows."""
+        if self.cost is not None:
+            return self.cost.prefill_tokens(decoding) if decoding else IDLE_CHUNK
+        if not decoding:
+            return max(self.budget, self.idle_budget)
+        return self.budget - decoding
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -80,7 +115,7 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         out = Schedule(decode=[r for r in self.running if not r.prefilling])
-        budget = self.budget - len(out.decode) if out.decode else max(self.budget, self.idle_budget)
+        budget = self.prefill_budget(len(out.decode))
         for req in self.running:  # prompts part-way through their prefill
             if req.prefilling and not self._add_chunk(out, req, budget):
                 return out

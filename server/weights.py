@@ -279,14 +279,12 @@ def cpu_features() -> set[str]:
 
 
 def auto_format(device: str = "cpu") -> str:
-    """The format ``auto`` serves (table and measurements in the README): int4 where torch's int4
-    kernel is vectorised (AVX-512 and AMX CPUs, CUDA); int8 on AVX2-only CPUs, where the int4
-    kernel falls back to scalar code and bf16 matmuls are slower than fp32; fp32 otherwise."""
+    """The format ``auto`` serves (table and measurements in the README): int4 wherever torch's
+    CPU int4 kernel is vectorised (AVX2 and up: AVX-512, AMX), where it is the fastest format at
+    every batch size measured and serves the GGUF's own bits; fp32 otherwise."""
     if device.startswith("cuda"):
         return "bf16"  # quantised CUDA paths are untested
     flags = cpu_features()
-    if "avx512f" in flags or "amx_bf16" in flags:
+    if {"avx2", "avx512f", "amx_bf16"} & flags:
         return "int4"
-    if "avx2" in flags:
-        return "int8"
     return "fp32"

@@ -13,7 +13,7 @@ from server import engine as engine_module
 from server.engine import LLMEngine, RequestFailed
 from server.request import Request
 from server.sampling import SamplingParams
-from server.scheduler import Scheduler
+from server.scheduler import IDLE_CHUNK, MIN_CHUNK, STALL, Scheduler, StepCost
 
 VOCAB = 49152  # the real tokenizer's, so the engine can detokenise
 BLOCKS = 8
@@ -115,15 +115,40 @@ def test_with_nothing_decoding_a_long_prompt_goes_in_one_step(tokenizer):
     assert runner.calls[0]["lengths"] == [100]
 
 
-def test_the_measured_budget_fits_a_chunk_in_one_decode_step(tiny):
+def test_the_measured_cost_sizes_chunks_by_the_decode_time(tiny):
     from server.runner import BlockRunner
 
     eng = LLMEngine(BlockRunner(tiny.model, max_slots=4, max_len=256), tiny.tokenizer)
-    assert eng.scheduler.budget == 256  # offline: no budget unless asked
-    budget = eng.measure_budget()
-    assert 4 + 16 <= budget and eng.scheduler.budget == 256
-    eng.scheduler.set_budget(budget)
+    assert eng.scheduler.cost is None and eng.scheduler.prefill_budget(2) == 254  # offline: no budget unless asked
+    cost = eng.measure_cost()
+    assert cost.per_token_s > 0 and cost.decode_s + cost.per_row_s > 0
+    eng.scheduler.cost = cost
+    assert MIN_CHUNK <= eng.scheduler.prefill_budget(1) <= eng.scheduler.prefill_budget(4)
+    assert eng.scheduler.prefill_budget(0) == IDLE_CHUNK
     assert eng.generate([make(30, max_tokens=3)])[0].finish_reason == "length"
+
+
+def test_a_step_that_prefills_stays_within_its_share_of_the_decode_time():
+    """The chunk beside r decoding rows costs at most STALL x their decode time (beyond the
+    minimum chunk), so an inter-token gap with a prefill in it is bounded by (1 + STALL) x one
+    without, at every batch size."""
+    cost = StepCost(decode_s=0.020, per_row_s=0.006, chunk_s=0.015, per_token_s=0.0035)
+    for rows in range(1, 17):
+        tokens = cost.prefill_tokens(rows)
+        decode = cost.decode_s + cost.per_row_s * rows
+        chunk = cost.chunk_s + cost.per_token_s * tokens
+        assert tokens == MIN_CHUNK or chunk <= STALL * decode + 1e-9
+        assert cost.chunk_s + cost.per_token_s * (tokens + 1) > STALL * decode  # and no smaller than it needs
+    sched = Scheduler(num_slots=4, max_num_batched_tokens=512)
+    sched.cost = cost
+    streams = [make(2) for _ in range(2)]
+    for r in streams:
+        sched.add(r)
+    for c in sched.schedule().prefill:
+        c.request.num_computed = c.start + c.length
+    sched.add(make(300))
+    step = sched.schedule()
+    assert step.decode == streams and sum(c.length for c in step.prefill) == cost.prefill_tokens(2)
 
 
 def test_decode_rows_run_in_slot_order(tokenizer):
