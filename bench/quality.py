@@ -4,7 +4,7 @@ Dense model (no mask), the first ``--docs-per-domain`` held-out documents of eve
 scored on its first ``--max-len`` tokens with ``masks.evaluate.score_batch`` (the scoring of
 ``igserve eval``). Greedy agreement: the share of ``--agree-tokens`` greedy tokens per benchmark
 prompt (``load/prompts.jsonl``, chat template) equal to fp32's, up to the first difference.
-A format listed in ``--no-agree`` skips the agreement run (int4 on CPUs where its kernel is scalar).
+A format listed in ``--no-agree`` skips the agreement run (one too slow to be worth it on the machine at hand).
 """
 
 from __future__ import annotations

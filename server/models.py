@@ -57,8 +57,8 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
 def resolve_weights(weights: str, dtype: str = "auto", device: str = "cpu") -> tuple[str, torch.dtype]:
     """(weight format, activation dtype). ``weights=auto`` with an explicit ``dtype`` serves plain
     weights in that dtype, as before formats existed; with ``dtype=auto`` it picks the format by CPU
-    (``weights.auto_format``). Quantised formats default to bfloat16 activations, the dtype their
-    CPU kernels are vectorised for; ``dtype=float32`` with int4 is the exact Q4_1 model (slow)."""
+    (``weights.auto_format``). Quantised formats run their kernels in bfloat16 and default to the
+    activation dtype the hardware computes fastest in (``weights.activation_dtype``)."""
     from server import weights as wf
 
     if weights not in wf.FORMATS:
@@ -76,7 +76,7 @@ def resolve_weights(weights: str, dtype: str = "auto", device: str = "cpu") -> t
         return "fp32", torch.float32
     if weights == "bf16":
         return "bf16", torch.bfloat16
-    return weights, torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
+    return weights, wf.activation_dtype(weights, device) if dtype == "auto" else getattr(torch, dtype)
 
 
 def _cpu_has_amx() -> bool:
@@ -206,8 +206,8 @@ def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dt
         groups = {}
         if weights == "int4" and name_or_path in PACKAGED_MODELS:
             groups = wf.read_gguf_q4_1(_packaged_gguf(PACKAGED_MODELS[name_or_path]), config)
-        wf.quantize(model, weights, dtype, groups, device)  # from the fp32 weights
-        model.to(device=device, dtype=dtype)
+        wf.quantize(model, weights, groups=groups, device=device)  # from the fp32 weights
+        wf.pin_kernel_dtype(model.to(device=device, dtype=dtype))
     elif weights in ("fp32", "bf16", "fp16"):
         model.to(device=device, dtype=dtype)
     else:

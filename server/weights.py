@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
+KERNEL_DTYPE = torch.bfloat16  # the quantised kernels' vectorised path, on every CPU and on CUDA
 GROUP = 32  # Q4_1 block size = torch int4 group size
 
 
@@ -102,7 +103,8 @@ def read_gguf_q4_1(path: Path, config) -> dict[str, Q4Groups]:
 
 # ---------------------------------------------------------------------------- modules
 class Int4Linear(torch.nn.Module):
-    """y = x W^T (+ b) with W in int4 groups of 32; x in the scales' dtype."""
+    """y = x W^T (+ b) with W in int4 groups of 32; the kernel runs in the scales' dtype (x is cast
+    to it and y back to x's dtype)."""
 
     def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu"):
         super().__init__()
@@ -124,14 +126,14 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x):
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features).to(self.scales_zeros.dtype)
         if self.cuda_kernel:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     @classmethod
     def cat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
@@ -149,7 +151,8 @@ class Int4Linear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
-    """y = (x W8^T) · s (+ b): symmetric int8 per output channel; x in the scales' dtype.
+    """y = (x W8^T) · s (+ b): symmetric int8 per output channel; the kernel runs in the scales'
+    dtype (x is cast to it and y back to x's dtype).
 
     ``_weight_int8pack_mm`` streams the weight once per row: it wins while a call is bound by
     reading weights (decode) and loses to a float32 matmul on a dequantised copy from ``DENSE_ROWS``
@@ -168,7 +171,7 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x):
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
         if x2.is_cuda:  # untested: dequantising matmul
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         elif x2.shape[0] >= self.DENSE_ROWS:
@@ -177,7 +180,7 @@ class Int8Linear(torch.nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     @classmethod
     def cat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
@@ -222,10 +225,11 @@ def fuse(linears: list[torch.nn.Module]) -> torch.nn.Module:
 
 
 # ---------------------------------------------------------------------------- conversion
-def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype, groups: dict[str, Q4Groups] | None = None,
-             device="cpu") -> torch.nn.Module:
-    """Replace the decoder's linears (and the lm_head) with ``fmt`` modules, in place. ``groups``:
-    Q4_1 groups read from a GGUF (int4 only); missing linears are quantised here."""
+def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype = KERNEL_DTYPE,
+             groups: dict[str, Q4Groups] | None = None, device="cpu") -> torch.nn.Module:
+    """Replace the decoder's linears (and the lm_head) with ``fmt`` modules, in place; their
+    kernels run in ``dtype``. ``groups``: Q4_1 groups read from a GGUF (int4 only); missing
+    linears are quantised here."""
     if fmt not in ("int8", "int4"):
         raise ValueError(f"not a quantised format: {fmt!r}")
     groups = groups or {}
@@ -242,6 +246,27 @@ def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype, groups: dict[
     head = model.lm_head
     model.lm_head = Int8Linear(head.weight, head.bias, dtype, device)
     return model
+
+
+def pin_kernel_dtype(model: torch.nn.Module, dtype: torch.dtype = KERNEL_DTYPE) -> torch.nn.Module:
+    """Put the quantised modules' scales (and biases) back in the kernel dtype after a
+    ``model.to(activation dtype)``: float32 activations around a bf16 kernel is the fast path on
+    CPUs without native bf16 arithmetic."""
+    for module in model.modules():
+        if isinstance(module, (Int4Linear, Int8Linear)):
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and buf.is_floating_point():
+                    setattr(module, name, buf.to(dtype))
+    return model
+
+
+def activation_dtype(fmt: str, device: str = "cpu") -> torch.dtype:
+    """Activations (residual stream, norms, attention, KV cache) for a quantised format: bfloat16
+    where the hardware computes in it (CUDA, AVX-512 BF16, AMX), else float32: on AVX2 a bf16
+    attention over a long cache is several times slower than float32."""
+    if device.startswith("cuda") or {"avx512_bf16", "amx_bf16"} & cpu_features():
+        return torch.bfloat16
+    return torch.float32
 
 
 def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
