@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +17,8 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, metric_value
+from conftest import (TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, free_port, metric_value, spawn_process, stop_process,
+                      wait_process)
 
 from router.router import Router, chat_routing_text
 from server import api, loading, protocol, serving
@@ -559,10 +556,7 @@ def test_mismatching_bank_exits_with_the_bank_error(tiny_model_dir, tmp_path, ti
     bad = dict(vars(tiny_bank), model={"name": "other", "fingerprint": "sha256:0000"})
     path = tmp_path / "bad.json"
     type(tiny_bank)(**bad).save(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = cli.main(["serve", "--model", str(tiny_model_dir), "--bank", str(path), "--port", str(port),
+    code = cli.main(["serve", "--model", str(tiny_model_dir), "--bank", str(path), "--port", str(free_port()),
                      "--log-level", "warning"])
     assert code == 1
     err = capsys.readouterr().err
@@ -572,25 +566,9 @@ def test_mismatching_bank_exits_with_the_bank_error(tiny_model_dir, tmp_path, ti
 
 def test_sigterm_drains_in_flight_requests(tiny_model_dir, tiny_bank_file, model):
     """`igserve serve` in a subprocess: a stream in flight when SIGTERM arrives completes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), "--bank", str(tiny_bank_file),
-           "--port", str(port), "--max-batch", "2", "--max-model-len", "256", "--max-tokens-limit", str(LONG)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
+    proc, base = spawn_process(tiny_model_dir, tiny_bank_file, "--max-batch", "2", "--max-tokens-limit", str(LONG))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_process(proc, base)
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=LONG, temperature=0,
                                            stream=True, stream_options={"include_usage": True},
@@ -606,9 +584,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir, tiny_bank_file, model
         with pytest.raises(httpx.TransportError):
             httpx.get(base + "/health")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 # ---------------------------------------------------------------------------- the real model
