@@ -101,7 +101,24 @@ def read_gguf_q4_1(path: Path, config) -> dict[str, Q4Groups]:
 
 
 # ---------------------------------------------------------------------------- modules
-class Int4Linear(torch.nn.Module):
+class _WeightOnlyLinear(torch.nn.Module):
+    """y = x W^T (+ b) with a quantised W: ``_matmul`` of the rows of x, then the bias."""
+
+    in_features: int
+    out_features: int
+
+    def forward(self, x):
+        shape = x.shape
+        y = self._matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Linear(_WeightOnlyLinear):
     """y = x W^T (+ b) with W in int4 groups of 32; x in the scales' dtype."""
 
     def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu"):
@@ -122,16 +139,10 @@ class Int4Linear(torch.nn.Module):
             device=device, dtype=dtype))  # [K/32, N, 2]
         self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
 
-    def forward(self, x):
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x2):
         if self.cuda_kernel:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+            return torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
 
     @classmethod
     def cat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
@@ -148,7 +159,7 @@ class Int4Linear(torch.nn.Module):
             self.bias = bias
 
 
-class Int8Linear(torch.nn.Module):
+class Int8Linear(_WeightOnlyLinear):
     """y = (x W8^T) · s (+ b): symmetric int8 per output channel; x in the scales' dtype.
 
     ``_weight_int8pack_mm`` streams the weight once per row: it wins while a call is bound by
@@ -166,18 +177,12 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scales", scale.to(device=device, dtype=dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
 
-    def forward(self, x):
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x2):
         if x2.is_cuda:  # untested: dequantising matmul
-            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
-        elif x2.shape[0] >= self.DENSE_ROWS:
-            y = F.linear(x2.float(), self.weight.float() * self.scales.float()[:, None]).to(x2.dtype)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+            return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
+        if x2.shape[0] >= self.DENSE_ROWS:
+            return F.linear(x2.float(), self.weight.float() * self.scales.float()[:, None]).to(x2.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
 
     @classmethod
     def cat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
@@ -251,7 +256,7 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
 
     ref = copy.deepcopy(model)
     for name, module in list(ref.named_modules()):
-        if isinstance(module, (Int4Linear, Int8Linear)):
+        if isinstance(module, _WeightOnlyLinear):
             lin = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             lin.weight = torch.nn.Parameter(module.dequantized(), requires_grad=False)
             if module.bias is not None:
