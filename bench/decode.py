@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -104,22 +103,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
 
-def cpu_flags() -> list[str]:
-    """The SIMD/matrix flags that pick kernels (the full list is in /proc/cpuinfo)."""
-    keep = ("avx", "fma", "f16c", "amx", "vnni", "bf16")
-    return sorted(f for f in wf.cpu_features() if f.startswith(keep) or any(k in f for k in ("vnni", "bf16")))
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,7 +164,7 @@ def run(args) -> int:
         "fingerprint": lm0.fingerprint,
         "threads": torch.get_num_threads(),
         "device": "cpu",
-        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(),
+        "cpu": wf.cpu_model(), "cpu_flags": wf.cpu_flags(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "auto_weights": wf.auto_format(),
         "prompt_tokens": len(ids),

@@ -193,7 +193,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from masks.evaluate import cpu_flags
+    from server.weights import cpu_flags
     from server import models
 
     torch.set_num_threads(args.threads)

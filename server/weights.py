@@ -16,6 +16,7 @@ tinygemm int4 kernel; int8 as a dequantising matmul) are untested.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,14 +274,30 @@ def bytes_per_param(fmt: str) -> float:
 
 
 def cpu_features() -> set[str]:
+    """Every flag of the CPU (/proc/cpuinfo; empty where there is none)."""
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD/matrix flags that pick kernels, recorded with every measurement."""
+    keep = ("avx", "amx", "sse4", "fma", "f16c")
+    return sorted(f for f in cpu_features() if f.startswith(keep) or "vnni" in f or "bf16" in f)
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def _cpuinfo(field: str) -> str:
+    """The value of the first ``field`` line of /proc/cpuinfo, or ""."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(field):
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
 def auto_format(device: str = "cpu") -> str:
