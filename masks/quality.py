@@ -223,11 +223,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from server.cli import run_module
+
+    raise SystemExit(run_module(sys.modules[__name__], sys.argv[1:]))
