@@ -143,7 +143,7 @@ def _cases(args) -> tuple[list[tuple], dict[str, BlockRunner], dict]:
         resolved, dtype = models.resolve_weights(fmt)
         lm = models.load(args.model, dtype=dtype, weights=resolved)
         lms[fmt] = lm
-        runners[fmt] = BlockRunner(lm.model, max_slots=max(1, args.batch),
+        runners[fmt] = BlockRunner(lm.model, max_batch=max(1, args.batch),
                                    max_len=args.prompt_tokens + args.new_tokens + 1)
         dense = torch.ones(runners[fmt].num_blocks, dtype=torch.bool)
         if fmt == "fp32":

@@ -239,9 +239,9 @@ class _Build:
 
         work = work / f"{lm.name}-{lm.fingerprint.split(':')[-1][:8]}"
         work.mkdir(parents=True, exist_ok=True)
-        runner = BlockRunner(lm.model, max_slots=1, max_len=cfg.seq_len)
+        runner = BlockRunner(lm.model, max_batch=1, max_len=cfg.seq_len)
         student = runner if cfg.dtype == "float32" else \
-            BlockRunner(copy.deepcopy(lm.model).to(getattr(torch, cfg.dtype)), max_slots=1, max_len=cfg.seq_len)
+            BlockRunner(copy.deepcopy(lm.model).to(getattr(torch, cfg.dtype)), max_batch=1, max_len=cfg.seq_len)
         return cls(lm, cfg, work, seed, runner, student)
 
     def lap(self, name: str) -> None:

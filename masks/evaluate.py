@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     lm = models.load(args.model, dtype=models.resolve_weights(args.weights)[1], weights=args.weights)
     bank = MaskBank.load(args.bank)
-    runner = BlockRunner(lm.model, max_slots=1, max_len=args.max_len)
+    runner = BlockRunner(lm.model, max_batch=1, max_len=args.max_len)
     bank.check_model(lm.fingerprint, runner.num_blocks)
     domains = {d: texts[: args.docs_per_domain] for d, texts in load_domain_dir(args.data).items()}
     seeded = seed_from_reports(args.seed_from, args.cache, lm.fingerprint, args.max_len, domains)

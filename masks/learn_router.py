@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     lm = models.load(args.model)
     source = MaskBank.load(args.bank)
-    runner = BlockRunner(lm.model, max_slots=1, max_len=args.max_len)
+    runner = BlockRunner(lm.model, max_batch=1, max_len=args.max_len)
     source.check_model(lm.fingerprint, runner.num_blocks)
     budgets = [float(s) for s in args.budgets.split(",")]
     pool = candidate_pool(source, budgets, parse_cores(args.cores))

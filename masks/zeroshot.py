@@ -100,11 +100,11 @@ def loglikelihoods(model, tokenizer, examples: list[MCExample], masks: torch.Ten
     enc = _Encoded.of(tokenizer, examples)
     max_len = max(len(s) for ss in enc.seqs for s in ss)
     k_max = max(len(ss) for ss in enc.seqs)
-    runner = BlockRunner(model, max_slots=max(k_max, KV_POSITIONS // max_len), max_len=max_len)
+    runner = BlockRunner(model, max_batch=max(k_max, KV_POSITIONS // max_len), max_len=max_len)
     out = np.full((len(examples), len(masks), k_max), -np.inf)
     computed = 0
     with tqdm(total=len(examples), desc=desc, unit="ex", leave=False) as bar:
-        for group in _slot_groups(enc, runner.cache.slots):
+        for group in _slot_groups(enc, runner.cache.max_batch):
             rows, slot, heads = _layout(enc, group)
             for u, mask in enumerate(masks):
                 computed += _score_mask(runner, enc, rows, slot, heads, mask, batch_tokens, out[:, u])

@@ -46,7 +46,7 @@ def model(tiny):
 
 def run_alone(lm, prompt_ids, mask, **params) -> Request:
     """Reference: the synchronous engine with this one request."""
-    runner = BlockRunner(lm.model, max_slots=1, max_len=256)
+    runner = BlockRunner(lm.model, max_batch=1, max_len=256)
     engine = LLMEngine(runner, lm.tokenizer)
     return engine.generate([Request(list(prompt_ids), mask, SamplingParams(**params))])[0]
 
@@ -264,7 +264,7 @@ def test_ignore_eos_generates_past_the_end_of_sequence(serve_tiny, tiny, model):
     server = serve_tiny()
     prompt = [5, 6, 7, 8]
     dense = torch.ones(1, 2 * tiny.model.config.num_hidden_layers, dtype=torch.bool)
-    first = int(BlockRunner(tiny.model, max_slots=1, max_len=256).prefill([prompt], dense, [0]).argmax())
+    first = int(BlockRunner(tiny.model, max_batch=1, max_len=256).prefill([prompt], dense, [0]).argmax())
     server.app.state.service.loaded.engine.engine.eos_ids.add(first)
     client = server.client()
     body = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"igserve": {"mask": "dense"}})
@@ -305,7 +305,7 @@ def test_engine_routes_the_requests_it_admits_in_one_encoder_batch(tiny, tiny_ba
     calls = []
     original = router.route
     router.route = lambda texts, *options: calls.append(list(texts)) or original(texts, *options)
-    engine = LLMEngine(BlockRunner(tiny.model, max_slots=4, max_len=256), tiny.tokenizer, router=router)
+    engine = LLMEngine(BlockRunner(tiny.model, max_batch=4, max_len=256), tiny.tokenizer, router=router)
     texts = list(TINY_BANK_TEXTS.values()) + ["Integrate x squared from zero to one.", "def add(a, b): return a + b"]
     params = SamplingParams(max_tokens=2, temperature=0)
     reqs = [Request([5, 6, 7], None, params, mask_id=None, routing_text=t) for t in texts]
@@ -315,7 +315,7 @@ def test_engine_routes_the_requests_it_admits_in_one_encoder_batch(tiny, tiny_ba
         assert req.mask_id == route.mask_id and req.route.distance == pytest.approx(route.distance, abs=1e-5)
         assert torch.equal(req.mask, tiny_bank.mask(route.mask_id)) and req.finish_reason == "length"
     with pytest.raises(ValueError, match="routing text"):
-        LLMEngine(BlockRunner(tiny.model, max_slots=1, max_len=256), tiny.tokenizer).add(
+        LLMEngine(BlockRunner(tiny.model, max_batch=1, max_len=256), tiny.tokenizer).add(
             Request([5], None, params, mask_id=None, routing_text="no router"))
 
 
@@ -663,7 +663,7 @@ def test_logprobs_and_echo_equal_the_runner_log_softmax(client, model, tiny):
                                   extra_body=mask_body("dense"))
     out = r.choices[0].logprobs
     full = ids + tiny.tokenizer(r.choices[0].text, add_special_tokens=False)["input_ids"]
-    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=1, max_len=256)
     lp = torch.log_softmax(runner.forward(torch.tensor([full]), torch.ones(8, dtype=torch.bool))[0].float(), -1)
     expected = [lp[len(ids) - 1 + i, full[len(ids) + i]].item() for i in range(len(out.token_logprobs))]
     assert out.token_logprobs == pytest.approx(expected, abs=1e-4) and len(out.token_logprobs) == 4

@@ -108,7 +108,7 @@ def quantised(request, tiny_model_dir):
 def test_forward_equals_hf_with_blocks_removed(quantised):
     """The cache-free forward is bit-exact against HF on the same (quantised) modules."""
     ids = torch.tensor(random_prompts(1, [30], seed=2))
-    runner = BlockRunner(quantised.model, max_slots=1, max_len=64)
+    runner = BlockRunner(quantised.model, max_batch=1, max_len=64)
     for mask in masks_for(8).values():
         with torch.no_grad():
             got = runner.forward(ids, mask)
@@ -121,7 +121,7 @@ def test_cached_decode_equals_forward(quantised):
     In bfloat16 attention over a cache and over the whole sequence round differently: a logit of
     magnitude ~4 may move by one or two bf16 steps (2^-6); a wrong mask moves logits by ~5."""
     prompt = random_prompts(1, [29], seed=2)[0]
-    runner = BlockRunner(quantised.model, max_slots=2, max_len=64)
+    runner = BlockRunner(quantised.model, max_batch=2, max_len=64)
     atol = 1e-4 if runner.dtype == torch.float32 else 2 ** -6 * 4
     for name in ("mixed", "layers_1_2"):
         mask = masks_for(8)[name]
@@ -147,8 +147,8 @@ def test_int4_float32_equals_the_dequantised_fp32_model(tiny_model_dir):
     ids = torch.tensor(random_prompts(1, [30], seed=2))
     mask = masks_for(8)["mixed"]
     with torch.no_grad():
-        got = BlockRunner(lm.model, max_slots=1, max_len=64).forward(ids, mask)
-        want = BlockRunner(ref, max_slots=1, max_len=64).forward(ids, mask)
+        got = BlockRunner(lm.model, max_batch=1, max_len=64).forward(ids, mask)
+        want = BlockRunner(ref, max_batch=1, max_len=64).forward(ids, mask)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
