@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.decode import cpu_flags, cpu_model
+from server.weights import cpu_flags, cpu_model
 from bench.serve import PROMPTS, _free_port, run_clients, start_server, wait_healthy
 from server import models
 from server.api import DEFAULT_BANK

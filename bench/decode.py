@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -104,74 +103,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
 
-def cpu_flags() -> list[str]:
-    """The SIMD/matrix flags that pick kernels (the full list is in /proc/cpuinfo)."""
-    keep = ("avx", "fma", "f16c", "amx", "vnni", "bf16")
-    return sorted(f for f in wf.cpu_features() if f.startswith(keep) or any(k in f for k in ("vnni", "bf16")))
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    formats = [f for f in args.weights.split(",") if f]
-    cases = []  # (name, format, mask or None for HF, batch)
-    runners, lms = {}, {}
-    for fmt in formats:
-        resolved, dtype = models.resolve_weights(fmt)
-        lm = models.load(args.model, dtype=dtype, weights=resolved)
-        lms[fmt] = lm
-        batch = max(1, args.batch)
-        runners[fmt] = BlockRunner(lm.model, max_slots=batch, max_len=args.prompt_tokens + args.new_tokens + 1)
-        dense = torch.ones(runners[fmt].num_blocks, dtype=torch.bool)
-        if fmt == "fp32":
-            cases.append(("hf_generate_dense", fmt, None, 1))
-        cases.append(("runner_dense", fmt, dense, 1))
-        if args.batch > 1:
-            cases.append((f"runner_dense_b{args.batch}", fmt, dense, args.batch))
-        cases += [(f"runner_{name}", fmt, mask, 1) for name, mask in skip_masks(runners[fmt].num_layers).items()]
+    cases, runners, lms = _cases(args)
     lm0 = next(iter(lms.values()))
     ids = lm0.tokenizer(PROMPT * 8, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
-
-    def measure(case):
-        _, fmt, mask, batch = case
-        if mask is None:
-            return run_hf(lms[fmt].model, ids, args.new_tokens)
-        return run_runner(runners[fmt], ids, mask, args.new_tokens, batch)
-
-    with torch.inference_mode():
-        for case in cases:  # warm-up: allocator, kernels, caches
-            measure(case)
-        samples = {(c[0], c[1]): [] for c in cases}
-        for _ in range(args.repeats):
-            for case in cases:
-                samples[case[0], case[1]].append(measure(case))
-
-    runs = []
-    for name, fmt, mask, batch in cases:
-        got = samples[name, fmt]
-        runner = runners[fmt]
-        mask = torch.ones(runner.num_blocks, dtype=torch.bool) if mask is None else mask
-        runs.append({
-            "name": name, "weights": fmt, "batch": batch,
-            "dtype": str(runner.dtype).removeprefix("torch."),
-            "skip_ratio": round(1 - float(mask.float().mean()), 4),
-            "skipped_blocks": [b for b, keep in zip(runner.block_names, mask.tolist()) if not keep],
-            "decode_tok_s": round(statistics.median(s[1] for s in got), 2),
-            "prefill_tok_s": round(statistics.median(s[0] for s in got), 1),
-            "weight_mb_per_token": round(runner.cost.bytes(mask) / 2**20, 1),
-            "ideal_speedup": round(runner.cost.ideal_speedup(mask), 4),
-            "decode_tok_s_samples": [round(s[1], 2) for s in got],
-        })
+    samples = _measure(cases, runners, lms, ids, args.new_tokens, args.repeats)
+    runs = [_run_record(case, samples[case[0], case[1]], runners[case[1]]) for case in cases]
     for r in runs:
         base = next(b["decode_tok_s"] for b in runs if b["name"] == "runner_dense" and b["weights"] == r["weights"])
         r["speedup"] = round(r["decode_tok_s"] / base, 4)
@@ -181,7 +120,7 @@ def run(args) -> int:
         "fingerprint": lm0.fingerprint,
         "threads": torch.get_num_threads(),
         "device": "cpu",
-        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(),
+        "cpu": wf.cpu_model(), "cpu_flags": wf.cpu_flags(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "auto_weights": wf.auto_format(),
         "prompt_tokens": len(ids),
@@ -193,9 +132,69 @@ def run(args) -> int:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    _print_runs(runs)
+    return 0
+
+
+def _cases(args) -> tuple[list[tuple], dict[str, BlockRunner], dict]:
+    """The cases (name, format, mask or None for HF, batch), and per weight format its runner and model."""
+    cases, runners, lms = [], {}, {}
+    for fmt in [f for f in args.weights.split(",") if f]:
+        resolved, dtype = models.resolve_weights(fmt)
+        lm = models.load(args.model, dtype=dtype, weights=resolved)
+        lms[fmt] = lm
+        runners[fmt] = BlockRunner(lm.model, max_batch=max(1, args.batch),
+                                   max_len=args.prompt_tokens + args.new_tokens + 1)
+        dense = torch.ones(runners[fmt].num_blocks, dtype=torch.bool)
+        if fmt == "fp32":
+            cases.append(("hf_generate_dense", fmt, None, 1))
+        cases.append(("runner_dense", fmt, dense, 1))
+        if args.batch > 1:
+            cases.append((f"runner_dense_b{args.batch}", fmt, dense, args.batch))
+        cases += [(f"runner_{name}", fmt, mask, 1) for name, mask in skip_masks(runners[fmt].num_layers).items()]
+    return cases, runners, lms
+
+
+def _measure(cases: list[tuple], runners: dict, lms: dict, ids: list[int], new_tokens: int,
+             repeats: int) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """(name, format) -> (prefill, decode) tok/s per repeat, after one warm-up round (allocator,
+    kernels, caches); the cases interleave so machine load hits each alike."""
+    def one(case):
+        _, fmt, mask, batch = case
+        if mask is None:
+            return run_hf(lms[fmt].model, ids, new_tokens)
+        return run_runner(runners[fmt], ids, mask, new_tokens, batch)
+
+    with torch.inference_mode():
+        for case in cases:
+            one(case)
+        samples = {(c[0], c[1]): [] for c in cases}
+        for _ in range(repeats):
+            for case in cases:
+                samples[case[0], case[1]].append(one(case))
+    return samples
+
+
+def _run_record(case: tuple, got: list[tuple[float, float]], runner: BlockRunner) -> dict:
+    """One case's medians, its mask and the weight bytes it reads per token."""
+    name, fmt, mask, batch = case
+    mask = torch.ones(runner.num_blocks, dtype=torch.bool) if mask is None else mask
+    return {
+        "name": name, "weights": fmt, "batch": batch,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "skip_ratio": round(1 - float(mask.float().mean()), 4),
+        "skipped_blocks": [b for b, keep in zip(runner.block_names, mask.tolist()) if not keep],
+        "decode_tok_s": round(statistics.median(s[1] for s in got), 2),
+        "prefill_tok_s": round(statistics.median(s[0] for s in got), 1),
+        "weight_mb_per_token": round(runner.cost.bytes(mask) / 2**20, 1),
+        "ideal_speedup": round(runner.cost.ideal_speedup(mask), 4),
+        "decode_tok_s_samples": [round(s[1], 2) for s in got],
+    }
+
+
+def _print_runs(runs: list[dict]) -> None:
     print(f"{'run':<20}{'weights':>8}{'batch':>6}{'skip':>6}{'decode tok/s':>14}{'prefill tok/s':>15}"
           f"{'speedup':>9}{'ideal':>8}")
     for r in runs:
         print(f"{r['name']:<20}{r['weights']:>8}{r['batch']:>6}{r['skip_ratio']:>6.2f}{r['decode_tok_s']:>14.2f}"
               f"{r['prefill_tok_s']:>15.1f}{r['speedup']:>9.3f}{r['ideal_speedup']:>8.3f}")
-    return 0

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.decode import cpu_flags, cpu_model
+from server.weights import cpu_flags, cpu_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -87,7 +87,7 @@ def run(args) -> int:
         prompts = [tok.apply_chat_template([{"role": "user", "content": it["prompt"]}], add_generation_prompt=True)
                    for it in items]
         prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
-        runner = BlockRunner(lm.model, max_slots=1, max_len=max(args.max_len, max(map(len, prompts)) + args.agree_tokens + 1))
+        runner = BlockRunner(lm.model, max_batch=1, max_len=max(args.max_len, max(map(len, prompts)) + args.agree_tokens + 1))
         with torch.inference_mode():
             ppl, n = perplexity(runner, tok, docs, args.max_len, args.batch_size)
             outs = None if fmt in no_agree else greedy(runner, prompts, args.agree_tokens)

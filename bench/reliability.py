@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.decode import cpu_flags, cpu_model
+from server.weights import cpu_flags, cpu_model
 from server import models
 from server.config import DEFAULT_BANK
 

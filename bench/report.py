@@ -1,7 +1,7 @@
 """`igserve bench report`: renders bench/REPORT.md and its plots from the committed JSON reports.
 
-Reads what is present under ``--results`` (decode.json, serve.json, eval_*.json, zeroshot_*.json,
-locust_stats.csv) and says which reports are missing rather than inventing numbers.
+Reads what is present under ``--results`` (decode.json, serve.json, encoder.json, eval_*.json,
+zeroshot_*.json, locust_stats.csv) and says which reports are missing rather than inventing numbers.
 """
 
 from __future__ import annotations
@@ -115,6 +115,12 @@ def zeroshot_section(reports: list[tuple[str, dict]]) -> list[str]:
     return out
 
 
+def encoder_section(report: dict) -> list[str]:
+    out = ["## Routing encoder (`bench/results/encoder.json`)", "", f"{report['what']}; {report['source']}.", ""]
+    rows = [[r["encoder"], r["dtype"], r["when"], f"{r['ms']:.1f}"] for r in report["runs"]]
+    return out + _table(["encoder", "dtype", "when", "ms per route"], rows)
+
+
 def locust_section(path: Path) -> list[str]:
     with path.open() as f:
         rows = [r for r in csv.DictReader(f)]
@@ -137,6 +143,10 @@ def run(args) -> int:
         lines += serve_section(serve, results)
     else:
         missing.append("serve.json")
+    if (encoder := _load(results / "encoder.json")) is not None:
+        lines += encoder_section(encoder)
+    else:
+        missing.append("encoder.json")
     evals = [(p.stem.removeprefix("eval_"), _load(p)) for p in sorted(results.glob("eval_*.json"))]
     lines += eval_section(evals, results) if evals else []
     missing += [] if evals else ["eval_*.json"]

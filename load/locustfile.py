@@ -126,12 +126,8 @@ class IgserveChatUser(User):
     def _stream_chat(self, variant: str) -> None:
         item = random.choice(self.prompts)
         context = {"variant": variant, "domain": item["domain"]}
-        first = last = None
-        content_chunks = 0
-        usage_tokens = None
-        mask = None
-        error = None
         start = time.perf_counter()
+        seen, error = _Streamed(), None
         try:
             stream = self.client.chat.completions.create(
                 model=self.model,
@@ -144,44 +140,66 @@ class IgserveChatUser(User):
             )
             with stream:
                 for chunk in stream:
-                    now = time.perf_counter()
-                    ig = getattr(chunk, "igserve", None)
-                    if isinstance(ig, dict) and ig.get("mask") is not None:
-                        mask = str(ig["mask"])
-                    if getattr(chunk, "usage", None) is not None:
-                        usage_tokens = chunk.usage.completion_tokens
-                    for choice in chunk.choices:
-                        if choice.delta is not None and choice.delta.content:
-                            content_chunks += 1
-                            if first is None:
-                                first = now
-                            last = now
+                    seen.add(chunk, time.perf_counter())
         except Exception as exc:  # noqa: BLE001 -- every failure is reported to locust
             error = exc
         end = time.perf_counter()
-
-        tokens = usage_tokens if usage_tokens is not None else content_chunks
-        if error is None and mask is None:
-            error = RuntimeError("response carried no igserve.mask")
-        if error is None and variant == "dense" and mask != "dense":
-            error = RuntimeError(f"dense request was served with mask {mask!r}")
+        error = error or seen.error(variant)
         events.request.fire(
             request_type="CHAT",
             name=f"/v1/chat/completions [{variant}]",
             response_time=(end - start) * 1000.0,
-            response_length=tokens,
+            response_length=seen.tokens,
             response=None,
             context=context,
             exception=error,
         )
-        if error is not None:
-            return
-        MASKS_SEEN[variant][mask] += 1
-        if first is not None:
+        if error is None:
+            MASKS_SEEN[variant][seen.mask] += 1
+            seen.fire_latencies(variant, start, context)
+
+
+class _Streamed:
+    """What one stream's chunks said: when content arrived, the usage, the mask the server chose."""
+
+    def __init__(self):
+        self.first = self.last = None
+        self.content_chunks = 0
+        self.usage_tokens = None
+        self.mask = None
+
+    def add(self, chunk, now: float) -> None:
+        ig = getattr(chunk, "igserve", None)
+        if isinstance(ig, dict) and ig.get("mask") is not None:
+            self.mask = str(ig["mask"])
+        if getattr(chunk, "usage", None) is not None:
+            self.usage_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.delta is not None and choice.delta.content:
+                self.content_chunks += 1
+                if self.first is None:
+                    self.first = now
+                self.last = now
+
+    @property
+    def tokens(self) -> int:
+        return self.usage_tokens if self.usage_tokens is not None else self.content_chunks
+
+    def error(self, variant: str) -> Exception | None:
+        """A stream that worked but did not say what was asked."""
+        if self.mask is None:
+            return RuntimeError("response carried no igserve.mask")
+        if variant == "dense" and self.mask != "dense":
+            return RuntimeError(f"dense request was served with mask {self.mask!r}")
+        return None
+
+    def fire_latencies(self, variant: str, start: float, context: dict) -> None:
+        """TTFT and TPOT as custom locust requests."""
+        if self.first is not None:
             events.request.fire(request_type="TTFT", name=variant,
-                                response_time=(first - start) * 1000.0, response_length=0,
+                                response_time=(self.first - start) * 1000.0, response_length=0,
                                 response=None, context=context, exception=None)
-        if first is not None and tokens > 1:
+        if self.first is not None and self.tokens > 1:
             events.request.fire(request_type="TPOT", name=variant,
-                                response_time=(last - first) * 1000.0 / (tokens - 1),
+                                response_time=(self.last - self.first) * 1000.0 / (self.tokens - 1),
                                 response_length=0, response=None, context=context, exception=None)

@@ -57,7 +57,7 @@ def measure(bank: MaskBank, texts: list[str], batch: int, rounds: int, seed: int
 
 
 def main() -> int:
-    from masks.evaluate import cpu_flags
+    from server.weights import cpu_flags
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)

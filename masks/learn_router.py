@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     lm = models.load(args.model)
     source = MaskBank.load(args.bank)
-    runner = BlockRunner(lm.model, max_slots=1, max_len=args.max_len)
+    runner = BlockRunner(lm.model, max_batch=1, max_len=args.max_len)
     source.check_model(lm.fingerprint, runner.num_blocks)
     budgets = [float(s) for s in args.budgets.split(",")]
     pool = candidate_pool(source, budgets, parse_cores(args.cores))
@@ -98,11 +99,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from server.cli import run_module
+
+    raise SystemExit(run_module(sys.modules[__name__], sys.argv[1:]))

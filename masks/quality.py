@@ -149,7 +149,7 @@ def evaluate(lm, bank: MaskBank, questions: list[str], n_tokens: int, extra: lis
              for q in questions]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]  # as the server encodes a chat
     end_id = tok.convert_tokens_to_ids(END)
-    runner = BlockRunner(lm.model, max_slots=len(prompts), max_len=max(map(len, prompts)) + n_tokens + 1)
+    runner = BlockRunner(lm.model, max_batch=len(prompts), max_len=max(map(len, prompts)) + n_tokens + 1)
     tensors = dict(bank.mask_tensors())
     tensors.update({f"greedy@{s:g}": static_masks(bank, s)["greedy"] for s in extra})
     ones = torch.ones(len(prompts), runner.num_blocks, dtype=torch.bool)
@@ -193,7 +193,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from masks.evaluate import cpu_flags
+    from server.weights import cpu_flags
     from server import models
 
     torch.set_num_threads(args.threads)
@@ -223,11 +223,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from server.cli import run_module
+
+    raise SystemExit(run_module(sys.modules[__name__], sys.argv[1:]))

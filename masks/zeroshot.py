@@ -31,6 +31,7 @@ import hashlib
 import json
 import math
 import time
+from dataclasses import dataclass
 from os.path import commonprefix
 from pathlib import Path
 
@@ -96,60 +97,96 @@ def loglikelihoods(model, tokenizer, examples: list[MCExample], masks: torch.Ten
     is prefilled once and copied to the other choices' slots, then each continuation is appended."""
     from server.runner import BlockRunner
 
-    seqs, starts, prefix = [], [], []
-    for e in examples:
-        pairs = [encode_pair(tokenizer, c, x) for c, x in zip(e.contexts, e.continuations)]
-        seqs.append([c + x for c, x in pairs])
-        starts.append([len(c) for c, _ in pairs])
-        prefix.append(min(len(commonprefix(seqs[-1])), min(starts[-1]) - 1))
-    max_len = max(len(s) for ss in seqs for s in ss)
-    k_max = max(len(ss) for ss in seqs)
-    runner = BlockRunner(model, max_slots=max(k_max, KV_POSITIONS // max_len), max_len=max_len)
+    enc = _Encoded.of(tokenizer, examples)
+    max_len = max(len(s) for ss in enc.seqs for s in ss)
+    k_max = max(len(ss) for ss in enc.seqs)
+    runner = BlockRunner(model, max_batch=max(k_max, KV_POSITIONS // max_len), max_len=max_len)
     out = np.full((len(examples), len(masks), k_max), -np.inf)
     computed = 0
+    with tqdm(total=len(examples), desc=desc, unit="ex", leave=False) as bar:
+        for group in _slot_groups(enc, runner.cache.max_batch):
+            rows, slot, heads = _layout(enc, group)
+            for u, mask in enumerate(masks):
+                computed += _score_mask(runner, enc, rows, slot, heads, mask, batch_tokens, out[:, u])
+            bar.update(len(group))
+    return out, computed
 
-    groups, group = [], []  # examples whose choices fill the cache slots, longest shared prefix first
-    for i in sorted(range(len(examples)), key=lambda i: -prefix[i]):
-        if group and sum(len(seqs[j]) for j in group) + len(seqs[i]) > runner.cache.slots:
+
+@dataclass
+class _Encoded:
+    """Per example and choice: context + continuation token ids, where the continuation starts,
+    and per example the prefix that all its choices share (ending before the first scored token)."""
+
+    seqs: list[list[list[int]]]
+    starts: list[list[int]]
+    prefix: list[int]
+
+    @classmethod
+    def of(cls, tokenizer, examples: list[MCExample]) -> "_Encoded":
+        seqs, starts, prefix = [], [], []
+        for e in examples:
+            pairs = [encode_pair(tokenizer, c, x) for c, x in zip(e.contexts, e.continuations)]
+            seqs.append([c + x for c, x in pairs])
+            starts.append([len(c) for c, _ in pairs])
+            prefix.append(min(len(commonprefix(seqs[-1])), min(starts[-1]) - 1))
+        return cls(seqs, starts, prefix)
+
+
+def _slot_groups(enc: _Encoded, slots: int) -> list[list[int]]:
+    """Examples whose choices fill the cache slots together, longest shared prefix first."""
+    groups, group = [], []
+    for i in sorted(range(len(enc.seqs)), key=lambda i: -enc.prefix[i]):
+        if group and sum(len(enc.seqs[j]) for j in group) + len(enc.seqs[i]) > slots:
             groups.append(group)
             group = []
         group.append(i)
-    groups += [group] if group else []
+    return groups + [group] if group else groups
 
-    with tqdm(total=len(examples), desc=desc, unit="ex", leave=False) as bar:
-        for group in groups:
-            rows = sorted(((i, k) for i in group for k in range(len(seqs[i]))),
-                          key=lambda r: len(seqs[r[0]][r[1]]) - prefix[r[0]])
-            slot = {r: n for n, r in enumerate(rows)}  # extend batches read contiguous slots
-            heads = [i for i in group if prefix[i] > 0]
-            for u, mask in enumerate(masks):
-                for batch in _batches(heads, lambda i: prefix[i], batch_tokens):
-                    runner.prefill([seqs[i][0][: prefix[i]] for i in batch], mask.expand(len(batch), -1),
-                                   [slot[(i, 0)] for i in batch])
-                    computed += sum(prefix[i] for i in batch)
-                for i in heads:
-                    runner.copy_slot(slot[(i, 0)], [slot[(i, k)] for k in range(1, len(seqs[i]))], prefix[i])
-                for batch in _batches(rows, lambda r: len(seqs[r[0]][r[1]]) - prefix[r[0]], batch_tokens):
-                    chunks = [seqs[i][k][prefix[i]:] for i, k in batch]
-                    hidden = runner.extend_hidden(chunks, [prefix[i] for i, _ in batch], mask.expand(len(batch), -1),
-                                                  [slot[r] for r in batch])
-                    computed += sum(map(len, chunks))
-                    # The token at chunk position t is predicted at t - 1: logits at the continuation's
-                    # positions only (in the model's dtype), log-softmax in float32.
-                    row, col, target = [], [], []
-                    for n, (i, k) in enumerate(batch):
-                        first = starts[i][k] - prefix[i]
-                        row += [n] * (len(chunks[n]) - first)
-                        col += range(first - 1, len(chunks[n]) - 1)
-                        target += chunks[n][first:]
-                    row_t = torch.tensor(row)
-                    logits = runner.lm_head(hidden[row_t, torch.tensor(col)]).float()
-                    logp = logits.gather(1, torch.tensor(target)[:, None]).squeeze(1) - logits.logsumexp(1)
-                    totals = torch.zeros(len(batch), dtype=torch.float64).index_add_(0, row_t, logp.double())
-                    for (i, k), total in zip(batch, totals.tolist()):
-                        out[i, u, k] = total
-            bar.update(len(group))
-    return out, computed
+
+def _layout(enc: _Encoded, group: list[int]) -> tuple[list[tuple[int, int]], dict[tuple[int, int], int], list[int]]:
+    """A group's (example, choice) rows by continuation length, their slots (so extend batches
+    read contiguous slots), and the examples with a shared prefix to prefill."""
+    rows = sorted(((i, k) for i in group for k in range(len(enc.seqs[i]))),
+                  key=lambda r: len(enc.seqs[r[0]][r[1]]) - enc.prefix[r[0]])
+    return rows, {r: n for n, r in enumerate(rows)}, [i for i in group if enc.prefix[i] > 0]
+
+
+def _score_mask(runner, enc: _Encoded, rows: list[tuple[int, int]], slot: dict[tuple[int, int], int],
+                heads: list[int], mask: torch.Tensor, batch_tokens: int, out: np.ndarray) -> int:
+    """One group under one mask: prefill each shared prefix once, copy it to the other choices'
+    slots, append every continuation; writes out [E, K] and returns the positions computed."""
+    seqs, prefix = enc.seqs, enc.prefix
+    computed = 0
+    for batch in _batches(heads, lambda i: prefix[i], batch_tokens):
+        runner.prefill([seqs[i][0][: prefix[i]] for i in batch], mask.expand(len(batch), -1),
+                       [slot[(i, 0)] for i in batch])
+        computed += sum(prefix[i] for i in batch)
+    for i in heads:
+        runner.copy_slot(slot[(i, 0)], [slot[(i, k)] for k in range(1, len(seqs[i]))], prefix[i])
+    for batch in _batches(rows, lambda r: len(seqs[r[0]][r[1]]) - prefix[r[0]], batch_tokens):
+        chunks = [seqs[i][k][prefix[i]:] for i, k in batch]
+        hidden = runner.extend_hidden(chunks, [prefix[i] for i, _ in batch], mask.expand(len(batch), -1),
+                                      [slot[r] for r in batch])
+        computed += sum(map(len, chunks))
+        firsts = [enc.starts[i][k] - prefix[i] for i, k in batch]
+        for (i, k), total in zip(batch, _continuation_totals(runner, hidden, chunks, firsts)):
+            out[i, k] = total
+    return computed
+
+
+def _continuation_totals(runner, hidden: torch.Tensor, chunks: list[list[int]], firsts: list[int]) -> list[float]:
+    """Summed log-likelihood of each chunk's tokens from position ``first`` on. The token at chunk
+    position t is predicted at t - 1: logits at the continuation's positions only (in the model's
+    dtype), log-softmax in float32."""
+    row, col, target = [], [], []
+    for n, (chunk, first) in enumerate(zip(chunks, firsts)):
+        row += [n] * (len(chunk) - first)
+        col += range(first - 1, len(chunk) - 1)
+        target += chunk[first:]
+    row_t = torch.tensor(row)
+    logits = runner.lm_head(hidden[row_t, torch.tensor(col)]).float()
+    logp = logits.gather(1, torch.tensor(target)[:, None]).squeeze(1) - logits.logsumexp(1)
+    return torch.zeros(len(chunks), dtype=torch.float64).index_add_(0, row_t, logp.double()).tolist()
 
 
 def _mask_key(mask: torch.Tensor) -> str:
@@ -266,51 +303,26 @@ def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], router, s
     saved = np.array([cost.compute_saved(m) for m in masks])
     skip = (~masks).float().mean(1).numpy()
     generator = torch.Generator().manual_seed(seed)
-    correct = {m: {metric: {} for metric in METRICS} for m in methods}
-    used = {m: {} for m in methods}
-    saved_by_method = {m: {} for m in methods}
+    outcomes: dict[str, dict[str, _Outcome]] = {}  # task -> method -> outcome
     timing = {}
     for task, exs in examples.items():
         start = time.perf_counter()
         routed = router.route([e.routing_text for e in exs])
-        routes = [r.mask_id for r in routed]
         far = [r.distance > ood_distance for r in routed] if "ig_ood" in methods else None
         ll, computed = cached_loglikelihoods(lm, exs, masks, cache, batch_tokens, desc=task)
         margins = predictions(ll, exs)
-        picks = choices(methods, bank, index, margins, routes, generator, far)
-        for m in methods:
-            for metric in METRICS:
-                rows = np.array([index[i] for i in picks[m][metric]])
-                correct[m][metric][task] = margins[metric][np.arange(len(exs)), rows] > 0
-            ids = picks[m]["acc_norm"]
-            used[m][task] = {i: ids.count(i) for i in sorted(set(ids))}
-            saved_by_method[m][task] = float(np.mean([saved[index[i]] for i in ids]))
+        picks = choices(methods, bank, index, margins, [r.mask_id for r in routed], generator, far)
+        outcomes[task] = {m: _Outcome.of(picks[m], margins, index, saved) for m in methods}
         wall = time.perf_counter() - start
         timing[task] = {"wall_s": round(wall, 1), "positions_computed": computed,
                         "positions_per_s": round(computed / wall) if computed else None}
 
     tasks = list(examples)
-    report_methods = {}
-    for m in methods:
-        per_task = {}
-        for t in tasks:
-            c = correct[m]
-            n = len(c["acc"][t])
-            acc, norm = float(c["acc"][t].mean()), float(c["acc_norm"][t].mean())
-            per_task[t] = {"acc": acc, "acc_norm": norm, "n": n, "ci95": ci95(norm, n), "ci95_acc": ci95(acc, n),
-                           "compute_saved": saved_by_method[m][t]}
-        means = {metric: sum(per_task[t][metric] for t in tasks) / len(tasks) for metric in METRICS}
-        ns = [per_task[t]["n"] for t in tasks]
-        report_methods[m] = {
-            "mean_acc": means["acc"], "mean_acc_norm": means["acc_norm"],
-            "mean_ci95": _mean_ci([per_task[t]["acc_norm"] for t in tasks], ns),
-            "mean_ci95_acc": _mean_ci([per_task[t]["acc"] for t in tasks], ns),
-            "tasks": per_task, "masks_used": used[m],
-        }
-    paired = {m: {metric: _paired([correct["ig"][metric][t].astype(float) - correct[m][metric][t] for t in tasks])
+    report_methods = {m: _method_report({t: outcomes[t][m] for t in tasks}) for m in methods}
+    paired = {m: {metric: _paired([outcomes[t]["ig"].correct[metric].astype(float) - outcomes[t][m].correct[metric]
+                                   for t in tasks])
                   for metric in METRICS}
               for m in methods if m != "ig"}
-    best_static = max(static, key=lambda m: report_methods[m]["mean_acc_norm"]) if static else None
     return {
         "sparsity": bank.sparsity,
         "metrics": {"acc": "argmax of the summed log-likelihood of the continuation",
@@ -321,16 +333,62 @@ def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], router, s
         "masks": {name: {"skip_ratio": float(skip[row]), "compute_saved": float(saved[row])}
                   for name, row in index.items()},
         "distinct_masks": len(masks),
-        "summary": {"best_static": best_static,
-                    "ig_at_or_above_every_static": all(report_methods["ig"]["mean_acc_norm"]
-                                                       >= report_methods[m]["mean_acc_norm"] for m in static),
-                    "ig_at_or_above_every_static_acc": all(report_methods["ig"]["mean_acc"]
-                                                           >= report_methods[m]["mean_acc"] for m in static),
-                    **({"ig_ood_at_or_above_every_static": all(report_methods["ig_ood"]["mean_acc_norm"]
-                                                               >= report_methods[m]["mean_acc_norm"] for m in static)}
-                       if "ig_ood" in methods else {})},
+        "summary": _summary(report_methods, static),
         "timing": timing,
     }
+
+
+@dataclass
+class _Outcome:
+    """One method on one task: per metric whether each example is right, how often each mask was
+    used (acc_norm's picks) and the mean compute saved."""
+
+    correct: dict[str, np.ndarray]
+    used: dict[str, int]
+    saved: float
+
+    @classmethod
+    def of(cls, picks: dict[str, list[str]], margins: dict[str, np.ndarray], index: dict[str, int],
+           saved: np.ndarray) -> "_Outcome":
+        correct = {}
+        for metric in METRICS:
+            rows = np.array([index[i] for i in picks[metric]])
+            correct[metric] = margins[metric][np.arange(len(rows)), rows] > 0
+        ids = picks["acc_norm"]
+        return cls(correct, {i: ids.count(i) for i in sorted(set(ids))},
+                   float(np.mean([saved[index[i]] for i in ids])))
+
+
+def _method_report(outcomes: dict[str, _Outcome]) -> dict:
+    """One method's accuracies per task (task -> outcome) and their unweighted means with intervals."""
+    per_task = {}
+    for t, o in outcomes.items():
+        n = len(o.correct["acc"])
+        acc, norm = float(o.correct["acc"].mean()), float(o.correct["acc_norm"].mean())
+        per_task[t] = {"acc": acc, "acc_norm": norm, "n": n, "ci95": ci95(norm, n), "ci95_acc": ci95(acc, n),
+                       "compute_saved": o.saved}
+    tasks = list(per_task)
+    means = {metric: sum(per_task[t][metric] for t in tasks) / len(tasks) for metric in METRICS}
+    ns = [per_task[t]["n"] for t in tasks]
+    return {
+        "mean_acc": means["acc"], "mean_acc_norm": means["acc_norm"],
+        "mean_ci95": _mean_ci([per_task[t]["acc_norm"] for t in tasks], ns),
+        "mean_ci95_acc": _mean_ci([per_task[t]["acc"] for t in tasks], ns),
+        "tasks": per_task, "masks_used": {t: o.used for t, o in outcomes.items()},
+    }
+
+
+def _summary(report_methods: dict[str, dict], static: list[str]) -> dict:
+    """The best static baseline, and whether IG (and ig_ood) is at or above every one."""
+    def above(method: str, key: str) -> bool:
+        return all(report_methods[method][key] >= report_methods[m][key] for m in static)
+
+    out = {"best_static": max(static, key=lambda m: report_methods[m]["mean_acc_norm"]) if static else None,
+           "ig_at_or_above_every_static": above("ig", "mean_acc_norm"),
+           "ig_at_or_above_every_static_acc": above("ig", "mean_acc")}
+    if "ig_ood" in report_methods:
+        out["ig_ood_at_or_above_every_static"] = above("ig_ood", "mean_acc_norm")
+    return out
 
 
 def ood_distance(bank: MaskBank, router, quantile: float) -> float:

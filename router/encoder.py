@@ -32,16 +32,15 @@ class Encoder:
     """The sentence-transformers pipeline of all-MiniLM-L6-v2 (BERT, mean over real tokens, L2
     norm) with BERT and the pooling traced into one frozen TorchScript graph, its linears prepacked
     for oneDNN (``optimize_for_inference``): the same embeddings (within 1e-5) at about half the
-    per-call cost of eager (3.6 vs 6.3 ms for a short text on 2 cores). Prepacking matters most
-    in a server, where decode steps push the encoder's weights out of the CPU caches between
-    requests: a route right after 64 decode steps took 5.7 ms prepacked, 7.2 ms without.
+    per-call cost of eager. Prepacking matters most in a server, where decode steps push the
+    encoder's weights out of the CPU caches between requests (timings: bench/results/encoder.json).
 
     ``dtype`` is that of the weights (pooling and the embeddings are float32 either way). In
     bfloat16 on the CPU the linears' weights are reordered once into oneDNN's blocked layout (a
     plain bfloat16 linear re-packs its weight on every call), and as oneDNN compiles a kernel for
     every new token count, texts are padded to a multiple of ``BF16_PAD`` tokens so kernels are
-    reused (padding does not change an embedding). A route right after 64 decode steps: 3.6 ms,
-    against 4.5 ms without the reordering and 6.9 ms without either."""
+    reused (padding does not change an embedding); each of the two makes a route after decode
+    steps faster (bench/results/encoder.json)."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
         from sentence_transformers import SentenceTransformer

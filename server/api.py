@@ -81,6 +81,14 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
     app.state.service = service
     install(app, service.count_error)
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes, count=service.count_error)
+    app.include_router(_openai_routes(service))
+    _add_tokenizer_routes(app, service)
+    _add_operations_routes(app, service)
+    return app
+
+
+def _openai_routes(service: OpenAIServing) -> APIRouter:
+    """/v1: the OpenAI routes, behind the API key."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(service.authorize)])
 
     @v1.get("/models")
@@ -97,7 +105,11 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
     async def chat_completions(http: Request):
         return await service.chat(http)
 
-    app.include_router(v1)
+    return v1
+
+
+def _add_tokenizer_routes(app: FastAPI, service: OpenAIServing) -> None:
+    """vLLM's /tokenize and /detokenize, behind the API key."""
 
     @app.post("/tokenize", dependencies=[Depends(service.authorize)])
     async def tokenize(http: Request):
@@ -106,6 +118,10 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
     @app.post("/detokenize", dependencies=[Depends(service.authorize)])
     async def detokenize(http: Request):
         return await service.detokenize_request(http)
+
+
+def _add_operations_routes(app: FastAPI, service: OpenAIServing) -> None:
+    """/health, /docs and /metrics: open, for load balancers, people and Prometheus."""
 
     @app.get("/health")
     async def health():
@@ -131,8 +147,6 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[str], None] = lambda messag
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 # ---------------------------------------------------------------------------- the process

@@ -3,7 +3,7 @@
 New requests and aborts go through an inbox the thread drains between steps, so requests join
 and leave the running batch at step boundaries; each step's outputs are handed to the requests'
 asyncio queues with ``loop.call_soon_threadsafe``. Requests in the system (running + waiting) are
-bounded by slots + queue: past that ``submit`` raises ``QueueFull``. ``shutdown`` drains.
+bounded by max_batch + max_queue: past that ``submit`` raises ``QueueFull``. ``shutdown`` drains.
 
 All torch work of a running server happens on this one thread (steps and routing). libgomp gives
 every thread that runs parallel ops its own worker team, and once there are more such threads

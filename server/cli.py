@@ -33,6 +33,14 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def run_module(module, argv: list[str], prog: str | None = None, description: str | None = None) -> int:
+    """Parse ``argv`` with the module's ``add_arguments`` and call its ``run``; also what
+    ``python -m`` runs for the modules that are no ``igserve`` subcommand."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or module.__doc__.splitlines()[0])
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(argv)) or 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     for words, module_name, text in sorted(COMMANDS, key=lambda c: -len(c[0])):
         if tuple(argv[: len(words)]) == words:
             module = importlib.import_module(module_name)
-            parser = argparse.ArgumentParser(prog="igserve " + " ".join(words), description=text)
-            module.add_arguments(parser)
-            return module.run(parser.parse_args(argv[len(words):])) or 0
+            return run_module(module, argv[len(words):], "igserve " + " ".join(words), text)
     print(_usage(), file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 

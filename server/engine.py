@@ -56,7 +56,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self._backend = backend(tokenizer)
         self.router = router
-        self.max_batch = min(max_batch or runner.cache.slots, runner.cache.slots)
+        self.max_batch = min(max_batch or runner.cache.max_batch, runner.cache.max_batch)
         self._measure_budget = max_num_batched_tokens is None  # at warm-up, on the serving thread
         self.scheduler = Scheduler(self.max_batch, max_num_batched_tokens or runner.max_len, runner.max_len)
         eos = runner.config.eos_token_id

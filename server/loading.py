@@ -85,7 +85,7 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     dtype_name = str(lm_dtype).removeprefix("torch.")
     lm = models.load(cfg.model, device=cfg.device, dtype=lm_dtype, weights=weights)
     log.info("model %s: %s weights, %s activations on %s", lm.name, weights, dtype_name, cfg.device)
-    runner = BlockRunner(lm.model, max_slots=cfg.max_batch, max_len=cfg.max_model_len)
+    runner = BlockRunner(lm.model, max_batch=cfg.max_batch, max_len=cfg.max_model_len)
     path = bank_path(cfg.bank)
     bank, router = None, None
     if path is None:

@@ -31,6 +31,14 @@ def _histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
     return Histogram(name, doc, [LABEL], buckets=buckets, registry=REGISTRY)
 
 
+def _counter(name: str, doc: str, *labels: str) -> Counter:
+    return Counter(name, doc, [LABEL, *labels], registry=REGISTRY)
+
+
+def _gauge(name: str, doc: str) -> Gauge:
+    return Gauge(name, doc, [LABEL], registry=REGISTRY)
+
+
 E2E_LATENCY = _histogram("igserve_e2e_request_latency_seconds",
                          "End-to-end request latency in seconds (arrival to last token).", REQUEST_LATENCY_BUCKETS)
 TTFT = _histogram("igserve_time_to_first_token_seconds",
@@ -49,25 +57,22 @@ SKIP_RATIO = _histogram("igserve_skip_ratio", "Fraction of blocks the request's 
 COMPUTE_SAVED = _histogram("igserve_compute_saved_ratio",
                            "Fraction of parameters per token the request's mask does not touch.", RATIO_BUCKETS)
 
-REQUEST_SUCCESS = Counter("igserve_request_success", "Finished requests by finish reason (stop|length|abort).",
-                          [LABEL, "finished_reason"], registry=REGISTRY)
-REQUESTS_BY_MASK = Counter("igserve_requests_by_mask", "Admitted requests by the mask they run with.",
-                           [LABEL, "mask"], registry=REGISTRY)
-ROUTER_FALLBACKS = Counter("igserve_router_fallbacks", "Routed requests that were out of distribution and took "
-                           "the budget's global mask.", [LABEL], registry=REGISTRY)
-REQUESTS_BY_BUDGET = Counter("igserve_requests_by_budget", "Routed requests by the budget (sparsity) of their mask.",
-                             [LABEL, "budget"], registry=REGISTRY)
-REQUEST_ERRORS = Counter("igserve_request_errors", "Error responses by OpenAI error type.",
-                         [LABEL, "error_type"], registry=REGISTRY)
-DRAIN_CUT = Counter("igserve_drain_timeout_requests", "Requests still in flight at the drain timeout on shutdown, "
-                    "ended with an error.", [LABEL], registry=REGISTRY)
-PROMPT_TOKENS = Counter("igserve_prompt_tokens", "Prefilled prompt tokens.", [LABEL], registry=REGISTRY)
-GENERATION_TOKENS = Counter("igserve_generation_tokens", "Generated tokens.", [LABEL], registry=REGISTRY)
-BLOCKS_EXECUTED = Counter("igserve_blocks_executed", "Block executions (one block on one token) by kind.",
-                          [LABEL, "kind"], registry=REGISTRY)
+REQUEST_SUCCESS = _counter("igserve_request_success", "Finished requests by finish reason (stop|length|abort).",
+                           "finished_reason")
+REQUESTS_BY_MASK = _counter("igserve_requests_by_mask", "Admitted requests by the mask they run with.", "mask")
+ROUTER_FALLBACKS = _counter("igserve_router_fallbacks", "Routed requests that were out of distribution and took "
+                            "the budget's global mask.")
+REQUESTS_BY_BUDGET = _counter("igserve_requests_by_budget", "Routed requests by the budget (sparsity) of their mask.",
+                              "budget")
+REQUEST_ERRORS = _counter("igserve_request_errors", "Error responses by OpenAI error type.", "error_type")
+DRAIN_CUT = _counter("igserve_drain_timeout_requests", "Requests still in flight at the drain timeout on shutdown, "
+                     "ended with an error.")
+PROMPT_TOKENS = _counter("igserve_prompt_tokens", "Prefilled prompt tokens.")
+GENERATION_TOKENS = _counter("igserve_generation_tokens", "Generated tokens.")
+BLOCKS_EXECUTED = _counter("igserve_blocks_executed", "Block executions (one block on one token) by kind.", "kind")
 
-NUM_RUNNING = Gauge("igserve_num_requests_running", "Requests in a batch slot.", [LABEL], registry=REGISTRY)
-NUM_WAITING = Gauge("igserve_num_requests_waiting", "Requests waiting for a batch slot.", [LABEL], registry=REGISTRY)
+NUM_RUNNING = _gauge("igserve_num_requests_running", "Requests in a batch slot.")
+NUM_WAITING = _gauge("igserve_num_requests_waiting", "Requests waiting for a batch slot.")
 
 
 def count_error(model_name: str, error_type: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StringConstraints, model_validator
 from pydantic_core import PydanticCustomError
@@ -348,13 +348,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class _Response(BaseModel):
-    id: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    igserve: IgserveInfo
-
-
 class CompletionLogprobs(BaseModel):
     """Per token of the choice's text (the prompt's too with echo; its first token has no logprob)."""
 
@@ -362,19 +355,6 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(_Response):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class TopLogprob(BaseModel):
@@ -397,35 +377,58 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: Usage
-
-
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+LogprobsT = TypeVar("LogprobsT")
+
+
+class _Choice(BaseModel, Generic[LogprobsT]):
     index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
+    logprobs: LogprobsT | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
+class CompletionChoice(_Choice[CompletionLogprobs]):
+    text: str
+
+
+class ChatChoice(_Choice[ChatLogprobs]):
+    message: ChatMessageOut
+
+
+class ChatChunkChoice(_Choice[ChatLogprobs]):
+    delta: ChatDelta
+
+
+ChoiceT = TypeVar("ChoiceT")
+
+
+class _Response(BaseModel, Generic[ChoiceT]):
+    """The fields every response and chunk has; a subclass pins ``object`` (and may require usage)."""
+
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    igserve: IgserveInfo
+    object: str
+    choices: list[ChoiceT]
     usage: Usage | None = None
+
+
+class CompletionResponse(_Response[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ChatCompletionResponse(_Response[ChatChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
+    usage: Usage
+
+
+class ChatCompletionChunk(_Response[ChatChunkChoice]):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
 class ModelCard(BaseModel):

@@ -28,14 +28,15 @@ def block_names(num_layers: int) -> list[str]:
 
 
 class KVCache:
-    """Static per-layer K/V buffers: [slots + 1, kv_heads, max_len, head_dim]."""
+    """Static per-layer K/V buffers: [max_batch + 1, kv_heads, max_len, head_dim], one slot per
+    sequence of a batch."""
 
-    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (slots + 1, kv_heads, max_len, head_dim)  # + a scratch slot for padding writes
+    def __init__(self, num_layers: int, max_batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (max_batch + 1, kv_heads, max_len, head_dim)  # + a scratch slot for padding writes
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.slots = slots
-        self.scratch = slots
+        self.max_batch = max_batch
+        self.scratch = max_batch
         self.max_len = max_len
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -59,7 +60,7 @@ class KVCache:
 class BlockRunner:
     """Runs a frozen HF causal LM block by block under per-row masks or gates."""
 
-    def __init__(self, model: torch.nn.Module, max_slots: int = 8, max_len: int | None = None):
+    def __init__(self, model: torch.nn.Module, max_batch: int = 8, max_len: int | None = None):
         cfg = model.config
         base = model.model
         self.model = model
@@ -78,7 +79,7 @@ class BlockRunner:
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.cache = KVCache(self.num_layers, max_slots, self.num_kv_heads, self.max_len, self.head_dim,
+        self.cache = KVCache(self.num_layers, max_batch, self.num_kv_heads, self.max_len, self.head_dim,
                              self.dtype, self.device)
         self.cost = cost.CostModel.from_model(model)
         # q/k/v and gate/up as one matmul each; the HF modules keep views of the fused weights.

@@ -150,20 +150,38 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
     """One token per row of ``logits [B, V]`` (any float dtype; processed in float32, top-p in
     float64). Does not change the rows apart from their generators; call ``RowState.append``."""
-    B, V = logits.shape
-    dev = logits.device
     params = [r.params for r in rows]
-    raw = logits.float()
-    errors: list[str | None] = [None] * B
+    raw, errors = _finite(logits.float())
+    x = _processed(raw, rows, errors)
+    tokens_t = _draw(x, rows)
+    tokens = tokens_t.tolist()
+    lp_out, top_out = _logprobs(raw, x, tokens_t, params)
+    for i, e in enumerate(errors):
+        if e is not None:
+            tokens[i], lp_out[i], top_out[i] = -1, None, None
+    return SampleOutput(tokens, lp_out, top_out, errors)
 
-    # a row with NaN or +inf (or nothing but -inf) fails alone; it is sampled from zeros so no
-    # kernel sees the values. A row's sum is finite iff its values are (one reduction; the
-    # elementwise isfinite is four passes on CPU), so only the rare bad step looks closer.
+
+def _finite(raw: torch.Tensor) -> tuple[torch.Tensor, list[str | None]]:
+    """The logits with failed rows zeroed, and each row's error. A row with NaN or +inf (or nothing
+    but -inf) fails alone; it is sampled from zeros so no kernel sees the values. A row's sum is
+    finite iff its values are (one reduction; the elementwise isfinite is four passes on CPU), so
+    only the rare bad step looks closer."""
+    errors: list[str | None] = [None] * raw.shape[0]
     if not bool(torch.isfinite(raw.sum(-1)).all()):
         bad = (torch.isnan(raw) | (raw == math.inf)).any(-1) | (raw == -math.inf).all(-1)
         for i in bad.nonzero().flatten().tolist():
             errors[i] = "the model produced non-finite logits"
-        raw = torch.where(bad[:, None], torch.zeros((), device=dev), raw)
+        raw = torch.where(bad[:, None], torch.zeros((), device=raw.device), raw)
+    return raw, errors
+
+
+def _processed(raw: torch.Tensor, rows: list[RowState], errors: list[str | None]) -> torch.Tensor:
+    """What the rows draw from, in vLLM's order: allowed tokens, logit bias, penalties, then
+    temperature and the filters. ``raw`` stays as it is (raw logprobs read it); a row the grammar
+    leaves no token gets its error in ``errors``, and failed rows are zero."""
+    V, dev = raw.shape[1], raw.device
+    params = [r.params for r in rows]
     constrained = [r.grammar is not None for r in rows]
     biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items() if 0 <= t < V]
     pen = [p.penalised for p in params]
@@ -171,46 +189,20 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
     minp = [p.min_p > 0 and not p.greedy for p in params]
     topkp = [not p.greedy and (0 < p.top_k < V or p.top_p < 1) for p in params]
     edits = any(constrained) or bool(biased) or any(pen) or any(scaled) or any(minp) or any(topkp)
-    x = raw.clone() if edits else raw  # raw stays for raw logprobs; the caller's logits are never written
-
-    # allowed tokens (structured outputs)
+    x = raw.clone() if edits else raw  # the caller's logits are never written
     if any(constrained):
-        idx = _rows(constrained, dev)
-        words = (V + 31) // 32
-        bitmask = torch.zeros(len(idx), words, dtype=torch.int32)
-        for j, i in enumerate(idx.tolist()):
-            rows[i].grammar.fill_bitmask(bitmask, j)
-        allowed = unpack_bitmask(bitmask.to(dev), V)
-        x[idx] = x[idx].masked_fill(~allowed, -math.inf)
-        for i in idx[~allowed.any(-1)].tolist():
-            errors[i] = errors[i] or "no token is allowed"
-
-    # logit bias
+        _allow(x, rows, _rows(constrained, dev), errors)
     if biased:
         i, t, b = zip(*biased)
         x.index_put_((torch.tensor(i, device=dev), torch.tensor(t, device=dev)),
                      torch.tensor(b, dtype=x.dtype, device=dev), accumulate=True)
-
-    # penalties (presence/frequency over the output, repetition over prompt + output)
     if any(pen):
-        idx = _rows(pen, dev)
-        states = [rows[i]._penalty_state(V, dev) for i in idx.tolist()]
-        counts = torch.stack([c for c, _ in states])
-        seen = torch.stack([s for _, s in states])
-        rep = torch.tensor([params[i].repetition_penalty for i in idx.tolist()], device=dev)[:, None]
-        freq = torch.tensor([params[i].frequency_penalty for i in idx.tolist()], device=dev)[:, None]
-        pres = torch.tensor([params[i].presence_penalty for i in idx.tolist()], device=dev)[:, None]
-        sub = x[idx]
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - freq * counts - pres * (counts > 0)
-        x[idx] = sub
-
+        _penalise(x, rows, _rows(pen, dev))
     failed = [e is not None for e in errors]
     if any(failed):
         x = x.clone() if x is raw else x
         x[_rows(failed, dev)] = 0.0
-
-    # temperature and filters; greedy rows keep x (argmax is invariant to them)
+    # greedy rows keep x from here (argmax is invariant to temperature and the filters)
     if any(scaled):
         idx = _rows(scaled, dev)
         x[idx] = x[idx] / torch.tensor([params[i].temperature for i in idx.tolist()], device=dev)[:, None]
@@ -223,13 +215,46 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
     if any(topkp):
         idx = _rows(topkp, dev)
         x[idx] = _top_k_top_p(x[idx], [params[i] for i in idx.tolist()])
+    return x
 
-    # draw: argmax of p / q with q ~ Exp(1) is a sample from p (vLLM's way: no cumsum, one kernel)
-    sampled = [not p.greedy for p in params]
+
+def _allow(x: torch.Tensor, rows: list[RowState], idx: torch.Tensor, errors: list[str | None]) -> None:
+    """Structured outputs: tokens the grammar of rows ``idx`` does not allow go to -inf in place."""
+    V = x.shape[1]
+    bitmask = torch.zeros(len(idx), (V + 31) // 32, dtype=torch.int32)
+    for j, i in enumerate(idx.tolist()):
+        rows[i].grammar.fill_bitmask(bitmask, j)
+    allowed = unpack_bitmask(bitmask.to(x.device), V)
+    x[idx] = x[idx].masked_fill(~allowed, -math.inf)
+    for i in idx[~allowed.any(-1)].tolist():
+        errors[i] = errors[i] or "no token is allowed"
+
+
+def _penalise(x: torch.Tensor, rows: list[RowState], idx: torch.Tensor) -> None:
+    """Presence/frequency penalties over the output, repetition over prompt + output, in place."""
+    V, dev = x.shape[1], x.device
+    params = [rows[i].params for i in idx.tolist()]
+    states = [rows[i]._penalty_state(V, dev) for i in idx.tolist()]
+    counts = torch.stack([c for c, _ in states])
+    seen = torch.stack([s for _, s in states])
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+    sub = x[idx]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    x[idx] = sub - freq * counts - pres * (counts > 0)
+
+
+def _draw(x: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
+    """The tokens [B]: argmax for greedy rows; for the others argmax of p / q with q ~ Exp(1),
+    which is a sample from p (vLLM's way: no cumsum, one kernel), q from a seeded row's own
+    generator."""
+    B, dev = x.shape[0], x.device
+    sampled = [not r.params.greedy for r in rows]
     if all(sampled):
-        tokens_t = torch.empty(B, dtype=torch.long, device=dev)
+        tokens = torch.empty(B, dtype=torch.long, device=dev)
     else:
-        tokens_t = x.argmax(-1)  # the greedy rows' tokens; the others are overwritten
+        tokens = x.argmax(-1)  # the greedy rows' tokens; the others are overwritten
     if any(sampled):
         idx = _rows(sampled, dev)
         probs = torch.softmax(x[idx], -1)
@@ -242,31 +267,33 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleOutput:
         if bool(unseeded.any()):
             q[unseeded] = torch.empty_like(q[unseeded]).exponential_()
         q.clamp_(min=torch.finfo(q.dtype).tiny)  # q = 0 would make a filtered token's 0/0 a NaN, which argmax picks
-        tokens_t[idx] = (probs / q).argmax(-1)
-    tokens = tokens_t.tolist()
+        tokens[idx] = (probs / q).argmax(-1)
+    return tokens
 
-    # logprobs
+
+def _logprobs(raw: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+              ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Per row that asked: the chosen token's logprob and the top k (of the raw logits, or of ``x``
+    with logprobs_mode "processed"); None for the other rows."""
+    B, dev = raw.shape[0], raw.device
     want = [p.logprobs is not None for p in params]
     lp_out: list[float | None] = [None] * B
     top_out: list[list[tuple[int, float]] | None] = [None] * B
-    if any(want):
-        idx = _rows(want, dev)
-        processed = torch.tensor([params[i].logprobs_mode == "processed" for i in idx.tolist()], device=dev)
-        source = torch.where(processed[:, None], x[idx], raw[idx])
-        lp = torch.log_softmax(source, -1)
-        chosen = lp.gather(1, tokens_t[idx][:, None]).squeeze(1).tolist()
-        k = max(params[i].logprobs for i in idx.tolist())
-        top_v, top_i = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(idx.tolist()):
-            n = params[i].logprobs
-            lp_out[i] = chosen[j]
-            top_out[i] = list(zip(top_i[j][:n], top_v[j][:n]))
-
-    for i, e in enumerate(errors):
-        if e is not None:
-            tokens[i], lp_out[i], top_out[i] = -1, None, None
-    return SampleOutput(tokens, lp_out, top_out, errors)
+    if not any(want):
+        return lp_out, top_out
+    idx = _rows(want, dev)
+    processed = torch.tensor([params[i].logprobs_mode == "processed" for i in idx.tolist()], device=dev)
+    source = torch.where(processed[:, None], x[idx], raw[idx])
+    lp = torch.log_softmax(source, -1)
+    chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
+    k = max(params[i].logprobs for i in idx.tolist())
+    top_v, top_i = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(idx.tolist()):
+        n = params[i].logprobs
+        lp_out[i] = chosen[j]
+        top_out[i] = list(zip(top_i[j][:n], top_v[j][:n]))
+    return lp_out, top_out
 
 
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

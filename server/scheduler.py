@@ -71,19 +71,19 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_num_batched_tokens: int, idle_budget: int | None = None):
-        self.num_slots = num_slots
+    def __init__(self, max_batch: int, max_num_batched_tokens: int, idle_budget: int | None = None):
+        self.max_batch = max_batch
         self.set_budget(max_num_batched_tokens)
         self.cost: StepCost | None = None  # set: the budget follows it instead
         self.idle_budget = max(idle_budget or 0, max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in slot order
-        self.free_slots = list(range(num_slots))
+        self.free_slots = list(range(max_batch))
 
     def set_budget(self, max_num_batched_tokens: int) -> None:
-        if max_num_batched_tokens < self.num_slots:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least the number of "
-                             f"slots ({self.num_slots}), so that every running request can decode in each step")
+        if max_num_batched_tokens < self.max_batch:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch "
+                             f"({self.max_batch}), so that every running request can decode in each step")
         self.budget = max_num_batched_tokens
 
     def prefill_budget(self, decoding: int) -> int:

@@ -16,6 +16,7 @@ tinygemm int4 kernel; int8 as a dequantising matmul) are untested.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,9 +103,31 @@ def read_gguf_q4_1(path: Path, config) -> dict[str, Q4Groups]:
 
 
 # ---------------------------------------------------------------------------- modules
-class Int4Linear(torch.nn.Module):
-    """y = x W^T (+ b) with W in int4 groups of 32; the kernel runs in the scales' dtype (x is cast
-    to it and y back to x's dtype)."""
+class _WeightOnlyLinear(torch.nn.Module):
+    """y = x W^T (+ b) with a quantised W: ``_matmul`` of the rows of x, then the bias. The kernel
+    runs in the dtype of the scales (``kernel_dtype``): x is cast to it and y back to x's dtype."""
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def forward(self, x):
+        shape = x.shape
+        y = self._matmul(x.reshape(-1, self.in_features).to(self.kernel_dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Linear(_WeightOnlyLinear):
+    """y = x W^T (+ b) with W in int4 groups of 32."""
 
     def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu"):
         super().__init__()
@@ -124,16 +147,14 @@ class Int4Linear(torch.nn.Module):
             device=device, dtype=dtype))  # [K/32, N, 2]
         self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
 
-    def forward(self, x):
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(self.scales_zeros.dtype)
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        return self.scales_zeros.dtype
+
+    def _matmul(self, x2):
         if self.cuda_kernel:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+            return torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
 
     @classmethod
     def cat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
@@ -150,9 +171,8 @@ class Int4Linear(torch.nn.Module):
             self.bias = bias
 
 
-class Int8Linear(torch.nn.Module):
-    """y = (x W8^T) · s (+ b): symmetric int8 per output channel; the kernel runs in the scales'
-    dtype (x is cast to it and y back to x's dtype).
+class Int8Linear(_WeightOnlyLinear):
+    """y = (x W8^T) · s (+ b): symmetric int8 per output channel.
 
     ``_weight_int8pack_mm`` streams the weight once per row: it wins while a call is bound by
     reading weights (decode) and loses to a float32 matmul on a dequantised copy from ``DENSE_ROWS``
@@ -169,18 +189,16 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scales", scale.to(device=device, dtype=dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
 
-    def forward(self, x):
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def _matmul(self, x2):
         if x2.is_cuda:  # untested: dequantising matmul
-            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
-        elif x2.shape[0] >= self.DENSE_ROWS:
-            y = F.linear(x2.float(), self.weight.float() * self.scales.float()[:, None]).to(x2.dtype)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+            return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
+        if x2.shape[0] >= self.DENSE_ROWS:
+            return F.linear(x2.float(), self.weight.float() * self.scales.float()[:, None]).to(x2.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
 
     @classmethod
     def cat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
@@ -276,7 +294,7 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
 
     ref = copy.deepcopy(model)
     for name, module in list(ref.named_modules()):
-        if isinstance(module, (Int4Linear, Int8Linear)):
+        if isinstance(module, _WeightOnlyLinear):
             lin = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             lin.weight = torch.nn.Parameter(module.dequantized(), requires_grad=False)
             if module.bias is not None:
@@ -293,14 +311,30 @@ def bytes_per_param(fmt: str) -> float:
 
 
 def cpu_features() -> set[str]:
+    """Every flag of the CPU (/proc/cpuinfo; empty where there is none)."""
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD/matrix flags that pick kernels, recorded with every measurement."""
+    keep = ("avx", "amx", "sse4", "fma", "f16c")
+    return sorted(f for f in cpu_features() if f.startswith(keep) or "vnni" in f or "bf16" in f)
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def _cpuinfo(field: str) -> str:
+    """The value of the first ``field`` line of /proc/cpuinfo, or ""."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(field):
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
 def auto_format(device: str = "cpu") -> str:

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +17,8 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, metric_value
+from conftest import (TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, free_port, metric_value, spawn_process, stop_process,
+                      wait_process)
 
 from router.router import Router, chat_routing_text
 from server import api, loading, protocol, serving
@@ -49,7 +46,7 @@ def model(tiny):
 
 def run_alone(lm, prompt_ids, mask, **params) -> Request:
     """Reference: the synchronous engine with this one request."""
-    runner = BlockRunner(lm.model, max_slots=1, max_len=256)
+    runner = BlockRunner(lm.model, max_batch=1, max_len=256)
     engine = LLMEngine(runner, lm.tokenizer)
     return engine.generate([Request(list(prompt_ids), mask, SamplingParams(**params))])[0]
 
@@ -267,7 +264,7 @@ def test_ignore_eos_generates_past_the_end_of_sequence(serve_tiny, tiny, model):
     server = serve_tiny()
     prompt = [5, 6, 7, 8]
     dense = torch.ones(1, 2 * tiny.model.config.num_hidden_layers, dtype=torch.bool)
-    first = int(BlockRunner(tiny.model, max_slots=1, max_len=256).prefill([prompt], dense, [0]).argmax())
+    first = int(BlockRunner(tiny.model, max_batch=1, max_len=256).prefill([prompt], dense, [0]).argmax())
     server.app.state.service.loaded.engine.engine.eos_ids.add(first)
     client = server.client()
     body = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"igserve": {"mask": "dense"}})
@@ -308,7 +305,7 @@ def test_engine_routes_the_requests_it_admits_in_one_encoder_batch(tiny, tiny_ba
     calls = []
     original = router.route
     router.route = lambda texts, *options: calls.append(list(texts)) or original(texts, *options)
-    engine = LLMEngine(BlockRunner(tiny.model, max_slots=4, max_len=256), tiny.tokenizer, router=router)
+    engine = LLMEngine(BlockRunner(tiny.model, max_batch=4, max_len=256), tiny.tokenizer, router=router)
     texts = list(TINY_BANK_TEXTS.values()) + ["Integrate x squared from zero to one.", "def add(a, b): return a + b"]
     params = SamplingParams(max_tokens=2, temperature=0)
     reqs = [Request([5, 6, 7], None, params, mask_id=None, routing_text=t) for t in texts]
@@ -318,7 +315,7 @@ def test_engine_routes_the_requests_it_admits_in_one_encoder_batch(tiny, tiny_ba
         assert req.mask_id == route.mask_id and req.route.distance == pytest.approx(route.distance, abs=1e-5)
         assert torch.equal(req.mask, tiny_bank.mask(route.mask_id)) and req.finish_reason == "length"
     with pytest.raises(ValueError, match="routing text"):
-        LLMEngine(BlockRunner(tiny.model, max_slots=1, max_len=256), tiny.tokenizer).add(
+        LLMEngine(BlockRunner(tiny.model, max_batch=1, max_len=256), tiny.tokenizer).add(
             Request([5], None, params, mask_id=None, routing_text="no router"))
 
 
@@ -559,10 +556,7 @@ def test_mismatching_bank_exits_with_the_bank_error(tiny_model_dir, tmp_path, ti
     bad = dict(vars(tiny_bank), model={"name": "other", "fingerprint": "sha256:0000"})
     path = tmp_path / "bad.json"
     type(tiny_bank)(**bad).save(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = cli.main(["serve", "--model", str(tiny_model_dir), "--bank", str(path), "--port", str(port),
+    code = cli.main(["serve", "--model", str(tiny_model_dir), "--bank", str(path), "--port", str(free_port()),
                      "--log-level", "warning"])
     assert code == 1
     err = capsys.readouterr().err
@@ -572,25 +566,9 @@ def test_mismatching_bank_exits_with_the_bank_error(tiny_model_dir, tmp_path, ti
 
 def test_sigterm_drains_in_flight_requests(tiny_model_dir, tiny_bank_file, model):
     """`igserve serve` in a subprocess: a stream in flight when SIGTERM arrives completes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), "--bank", str(tiny_bank_file),
-           "--port", str(port), "--max-batch", "2", "--max-model-len", "256", "--max-tokens-limit", str(LONG)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
+    proc, base = spawn_process(tiny_model_dir, tiny_bank_file, "--max-batch", "2", "--max-tokens-limit", str(LONG))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_process(proc, base)
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=LONG, temperature=0,
                                            stream=True, stream_options={"include_usage": True},
@@ -606,9 +584,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir, tiny_bank_file, model
         with pytest.raises(httpx.TransportError):
             httpx.get(base + "/health")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 # ---------------------------------------------------------------------------- the real model
@@ -687,7 +663,7 @@ def test_logprobs_and_echo_equal_the_runner_log_softmax(client, model, tiny):
                                   extra_body=mask_body("dense"))
     out = r.choices[0].logprobs
     full = ids + tiny.tokenizer(r.choices[0].text, add_special_tokens=False)["input_ids"]
-    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=1, max_len=256)
     lp = torch.log_softmax(runner.forward(torch.tensor([full]), torch.ones(8, dtype=torch.bool))[0].float(), -1)
     expected = [lp[len(ids) - 1 + i, full[len(ids) + i]].item() for i in range(len(out.token_logprobs))]
     assert out.token_logprobs == pytest.approx(expected, abs=1e-4) and len(out.token_logprobs) == 4

@@ -32,7 +32,7 @@ def _write_docs(folder):
 
 @pytest.fixture(scope="module")
 def runner(tiny):
-    return BlockRunner(tiny.model, max_slots=1, max_len=32)
+    return BlockRunner(tiny.model, max_batch=1, max_len=32)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_block_influence_is_zero_for_a_block_that_adds_nothing(tiny, targets):
     model = copy.deepcopy(tiny.model)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.zero_()  # ffn_1 outputs zeros: in == out
-    influence = block_influence(BlockRunner(model, max_slots=1, max_len=32), targets.take(torch.arange(4)))
+    influence = block_influence(BlockRunner(model, max_batch=1, max_len=32), targets.take(torch.arange(4)))
     assert float(influence[3]) == pytest.approx(0.0, abs=1e-6)
     assert bool((influence[[0, 1, 2, 4, 5, 6, 7]] > 1e-4).all())
 

@@ -23,7 +23,7 @@ COOKING = [f"Simmer the tomato sauce for {10 + i} minutes, add basil and garlic,
 
 @pytest.fixture(scope="module")
 def runner(tiny):
-    return BlockRunner(tiny.model, max_slots=1, max_len=64)
+    return BlockRunner(tiny.model, max_batch=1, max_len=64)
 
 
 def _tiny_bank(tiny, centroids: list[list[float]]) -> MaskBank:

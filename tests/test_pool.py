@@ -76,7 +76,7 @@ def test_score_cache_scores_only_what_is_new(tiny, tmp_path, monkeypatch):
 
     import masks.labels as labels
 
-    runner = BlockRunner(tiny.model, max_slots=1, max_len=32)
+    runner = BlockRunner(tiny.model, max_batch=1, max_len=32)
     texts = ["def f(x): return x + 1", "The soup needs salt and a bay leaf.", "2 + 2 = 4"]
     masks = {"dense": torch.ones(8, dtype=torch.bool), "a": torch.tensor([1, 0, 1, 1, 1, 1, 1, 1], dtype=torch.bool)}
     fresh = score_documents(runner, tiny.tokenizer, "fp", texts, masks, 32, 2, None)

@@ -11,7 +11,7 @@ from masks.quality import common_prefix, cut, greedy, measure, teacher_forced
 def test_dense_agrees_with_itself_and_a_mask_does_not(tiny):
     from server.runner import BlockRunner
 
-    runner = BlockRunner(tiny.model, max_slots=3, max_len=64)
+    runner = BlockRunner(tiny.model, max_batch=3, max_len=64)
     prompts = [tiny.tokenizer(t)["input_ids"] for t in ("def add(a, b):", "The capital of France is", "1 2 3")]
     ones = torch.ones(3, runner.num_blocks, dtype=torch.bool)
     answers = greedy(runner, prompts, ones, 6)

@@ -52,8 +52,8 @@ def hf_greedy(model, prompt: list[int], n: int, use_cache: bool = True) -> list[
     return out[0, len(prompt):].tolist()
 
 
-def engine_greedy(lm, prompts, masks, max_tokens=16, slots=8):
-    runner = BlockRunner(lm.model, max_slots=slots, max_len=256)
+def engine_greedy(lm, prompts, masks, max_tokens=16, max_batch=8):
+    runner = BlockRunner(lm.model, max_batch=max_batch, max_len=256)
     engine = LLMEngine(runner, lm.tokenizer)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     reqs = engine.generate([Request(list(p), m, params) for p, m in zip(prompts, masks)])
@@ -122,7 +122,7 @@ def test_mask_matches_physically_removed_real_model(real):
 
 def test_full_forward_matches_removed_logits(tiny):
     """The cache-free forward (used by mask training and eval) against the pruned HF model."""
-    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=1, max_len=256)
     ids = torch.tensor(random_prompts(1, [30], seed=2))
     for mask in masks_for(8).values():
         ref = remove_blocks(tiny.model, mask)(ids, use_cache=False).logits
@@ -147,7 +147,7 @@ def greedy_trace(runner: BlockRunner, prompts, masks, steps=8, slots=None):
 
 
 def test_mixed_mask_batch_equals_alone(tiny):
-    runner = BlockRunner(tiny.model, max_slots=4, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=4, max_len=256)
     all_masks = list(masks_for(8).values())
     prompts = random_prompts(4, [3, 31, 12, 20], seed=3)
     masks = [all_masks[4], torch.ones(8, dtype=torch.bool), all_masks[2], all_masks[0]]
@@ -164,7 +164,7 @@ def test_engine_batch_with_joins_equals_alone(tiny):
     prompts = random_prompts(5, [4, 19, 9, 33, 14], seed=4)
     masks = [all_masks[i % len(all_masks)] for i in range(5)]
     max_tokens = [12, 5, 16, 7, 10]
-    runner = BlockRunner(tiny.model, max_slots=3, max_len=256)  # fewer slots than requests
+    runner = BlockRunner(tiny.model, max_batch=3, max_len=256)  # fewer slots than requests
     engine = LLMEngine(runner, tiny.tokenizer)
     reqs = [Request(p, m, SamplingParams(max_tokens=n, temperature=0)) for p, m, n in zip(prompts, masks, max_tokens)]
     engine.add(reqs[0])
@@ -181,7 +181,7 @@ def test_engine_batch_with_joins_equals_alone(tiny):
 
 # ---------------------------------------------------------------------------- soft gates
 def test_soft_gates_share_the_hard_mask_path(tiny):
-    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=1, max_len=256)
     ids = torch.tensor(random_prompts(2, [16, 16], seed=5))
     mask = masks_for(8)["mixed"]
     with torch.no_grad():
@@ -198,7 +198,7 @@ def test_soft_gates_share_the_hard_mask_path(tiny):
 def test_extend_with_shared_prefix_equals_full_forward(tiny):
     """A context prefilled once, copied to other slots and extended by different continuations
     (as zero-shot scoring does) gives the logits of the full cache-free forward."""
-    runner = BlockRunner(tiny.model, max_slots=4, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=4, max_len=256)
     mask = masks_for(8)["mixed"]
     context, *conts = random_prompts(4, [21, 3, 7, 5], seed=6)
     runner.prefill([context], mask[None], [0])

@@ -20,8 +20,8 @@ BLOCKS = 8
 
 
 class FakeRunner:
-    def __init__(self, slots: int = 4, max_len: int = 512):
-        self.cache = SimpleNamespace(slots=slots)
+    def __init__(self, max_batch: int = 4, max_len: int = 512):
+        self.cache = SimpleNamespace(max_batch=max_batch)
         self.max_len, self.num_blocks, self.device = max_len, BLOCKS, "cpu"
         self.config = SimpleNamespace(eos_token_id=2)
         self.kv: dict[int, list[int]] = {}
@@ -66,7 +66,7 @@ def alone(tokenizer, req: Request) -> list[int]:
 
 
 def test_budget_is_kept_and_long_prompts_are_chunked(tokenizer):
-    runner = FakeRunner(slots=4)
+    runner = FakeRunner(max_batch=4)
     eng = LLMEngine(runner, tokenizer, max_num_batched_tokens=16)
     eng.scheduler.idle_budget = 16  # the budget holds even when nothing decodes
     reqs = [make(5, first=1000), make(40, first=2000), make(3, first=3000), make(33, first=4000)]
@@ -88,7 +88,7 @@ def test_budget_is_kept_and_long_prompts_are_chunked(tokenizer):
 
 
 def test_running_streams_decode_in_every_step_while_a_long_prompt_prefills(tokenizer):
-    runner = FakeRunner(slots=4)
+    runner = FakeRunner(max_batch=4)
     eng = LLMEngine(runner, tokenizer, max_num_batched_tokens=8)
     streams = [make(3, max_tokens=60, first=1000), make(3, max_tokens=60, first=1100)]
     for r in streams:
@@ -108,7 +108,7 @@ def test_running_streams_decode_in_every_step_while_a_long_prompt_prefills(token
 
 
 def test_with_nothing_decoding_a_long_prompt_goes_in_one_step(tokenizer):
-    runner = FakeRunner(slots=2)
+    runner = FakeRunner(max_batch=2)
     eng = LLMEngine(runner, tokenizer, max_num_batched_tokens=8)
     eng.add(make(100))
     eng.step()
@@ -118,7 +118,7 @@ def test_with_nothing_decoding_a_long_prompt_goes_in_one_step(tokenizer):
 def test_the_measured_cost_sizes_chunks_by_the_decode_time(tiny):
     from server.runner import BlockRunner
 
-    eng = LLMEngine(BlockRunner(tiny.model, max_slots=4, max_len=256), tiny.tokenizer)
+    eng = LLMEngine(BlockRunner(tiny.model, max_batch=4, max_len=256), tiny.tokenizer)
     assert eng.scheduler.cost is None and eng.scheduler.prefill_budget(2) == 254  # offline: no budget unless asked
     cost = eng.measure_cost()
     assert cost.per_token_s > 0 and cost.decode_s + cost.per_row_s > 0
@@ -139,7 +139,7 @@ def test_a_step_that_prefills_stays_within_its_share_of_the_decode_time():
         chunk = cost.chunk_s + cost.per_token_s * tokens
         assert tokens == MIN_CHUNK or chunk <= STALL * decode + 1e-9
         assert cost.chunk_s + cost.per_token_s * (tokens + 1) > STALL * decode  # and no smaller than it needs
-    sched = Scheduler(num_slots=4, max_num_batched_tokens=512)
+    sched = Scheduler(max_batch=4, max_num_batched_tokens=512)
     sched.cost = cost
     streams = [make(2) for _ in range(2)]
     for r in streams:
@@ -152,7 +152,7 @@ def test_a_step_that_prefills_stays_within_its_share_of_the_decode_time():
 
 
 def test_decode_rows_run_in_slot_order(tokenizer):
-    runner = FakeRunner(slots=4)
+    runner = FakeRunner(max_batch=4)
     eng = LLMEngine(runner, tokenizer)
     reqs = [make(3, max_tokens=m, first=1000 + 10 * m) for m in (2, 9, 9, 9)]
     eng.generate(reqs[:3])
@@ -163,7 +163,7 @@ def test_decode_rows_run_in_slot_order(tokenizer):
 
 
 def test_scheduler_admits_only_into_free_slots():
-    sched = Scheduler(num_slots=2, max_num_batched_tokens=64)
+    sched = Scheduler(max_batch=2, max_num_batched_tokens=64)
     reqs = [make(4), make(4), make(4)]
     for r in reqs:
         sched.add(r)
@@ -174,8 +174,8 @@ def test_scheduler_admits_only_into_free_slots():
         c.request.num_computed = c.start + c.length
     second = sched.schedule()
     assert second.admitted == [reqs[2]] and reqs[2].slot == 0 and second.decode == [reqs[1]]
-    with pytest.raises(ValueError, match="at least the number of slots"):
-        Scheduler(num_slots=4, max_num_batched_tokens=3)
+    with pytest.raises(ValueError, match="at least max_batch"):
+        Scheduler(max_batch=4, max_num_batched_tokens=3)
 
 
 def test_requests_compare_by_identity(tokenizer):
@@ -296,7 +296,7 @@ def test_chunked_prefill_on_a_real_runner_equals_one_shot(tiny):
     masks = [torch.ones(BLOCKS, dtype=torch.bool), torch.tensor([True, False] * 4), torch.tensor([False, True] * 4)]
 
     def run(budget: int) -> list[list[int]]:
-        runner = BlockRunner(tiny.model, max_slots=3, max_len=256)
+        runner = BlockRunner(tiny.model, max_batch=3, max_len=256)
         eng = LLMEngine(runner, tiny.tokenizer, max_num_batched_tokens=budget)
         reqs = [Request([1000 + 7 * i + j for j in range(n)], mask, SamplingParams(max_tokens=8, temperature=0,
                                                                                    ignore_eos=True))

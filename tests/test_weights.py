@@ -132,7 +132,7 @@ def quantised(request, tiny_model_dir):
 def test_forward_equals_hf_with_blocks_removed(quantised):
     """The cache-free forward is bit-exact against HF on the same (quantised) modules."""
     ids = torch.tensor(random_prompts(1, [30], seed=2))
-    runner = BlockRunner(quantised.model, max_slots=1, max_len=64)
+    runner = BlockRunner(quantised.model, max_batch=1, max_len=64)
     for mask in masks_for(8).values():
         with torch.no_grad():
             got = runner.forward(ids, mask)
@@ -146,7 +146,7 @@ def test_cached_decode_equals_forward(quantised):
     whole sequence round differently: a logit of magnitude ~4 may move by one or two bf16 steps
     (2^-6); a wrong mask moves logits by ~5."""
     prompt = random_prompts(1, [29], seed=2)[0]
-    runner = BlockRunner(quantised.model, max_slots=2, max_len=64)
+    runner = BlockRunner(quantised.model, max_batch=2, max_len=64)
     exact = runner.dtype == torch.float32 and quantised.weights not in ("int4", "int8")
     atol = 1e-4 if exact else 2 ** -6 * 4
     for name in ("mixed", "layers_1_2"):
@@ -174,9 +174,9 @@ def test_int4_float32_equals_the_dequantised_fp32_model(tiny_model_dir):
     ids = torch.tensor(random_prompts(1, [30], seed=2))
     mask = masks_for(8)["mixed"]
     with torch.no_grad():
-        got = BlockRunner(lm.model, max_slots=1, max_len=64).forward(ids, mask)
-        want = BlockRunner(ref, max_slots=1, max_len=64).forward(ids, mask)
-        other = BlockRunner(ref, max_slots=1, max_len=64).forward(ids, masks_for(8)["layers_1_2"])
+        got = BlockRunner(lm.model, max_batch=1, max_len=64).forward(ids, mask)
+        want = BlockRunner(ref, max_batch=1, max_len=64).forward(ids, mask)
+        other = BlockRunner(ref, max_batch=1, max_len=64).forward(ids, masks_for(8)["layers_1_2"])
     err = (got - want).norm() / want.norm()
     assert got.dtype == torch.float32 and err < 0.03 and err < 0.1 * (other - want).norm() / want.norm()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9

@@ -141,7 +141,7 @@ def test_planted_task_is_always_right(tiny):
     every distinct mask, the others its least likely; every method scores 100% on both metrics."""
     bank = make_bank(tiny)
     masks, _ = zeroshot.unique_masks(bank, list(zeroshot.STATIC))
-    runner = BlockRunner(tiny.model, max_slots=1, max_len=64)
+    runner = BlockRunner(tiny.model, max_batch=1, max_len=64)
     contexts = ["The capital of the country is", "My favourite thing to cook is", "def main(): return",
                 "She opened the door and saw a", "Prove that the sum of two even numbers is"]
     examples = []
