@@ -27,7 +27,7 @@ import httpx
 from server.weights import cpu_flags, cpu_model
 from bench.serve import PROMPTS, _free_port, run_clients, start_server, wait_healthy
 from server import models
-from server.api import DEFAULT_BANK
+from server.config import DEFAULT_BANK
 
 LLAMA_FORMATS = {"Q4_1": None, "BF16": "bf16", "F32": "f32"}  # None: the packaged GGUF as shipped
 
