@@ -57,6 +57,8 @@ ROUTER_FALLBACKS = Counter("igserve_router_fallbacks", "Routed requests that wer
                            "the budget's global mask.", [LABEL], registry=REGISTRY)
 REQUESTS_BY_BUDGET = Counter("igserve_requests_by_budget", "Routed requests by the budget (sparsity) of their mask.",
                              [LABEL, "budget"], registry=REGISTRY)
+ADAPTIVE_DEPTH = Counter("igserve_adaptive_depth_requests", "Routed requests that load-adaptive depth admitted at "
+                         "a sparser budget than the default (--adaptive-depth).", [LABEL], registry=REGISTRY)
 REQUEST_ERRORS = Counter("igserve_request_errors", "Error responses by OpenAI error type.",
                          [LABEL, "error_type"], registry=REGISTRY)
 DRAIN_CUT = Counter("igserve_drain_timeout_requests", "Requests still in flight at the drain timeout on shutdown, "
@@ -112,6 +114,8 @@ class ServingMetrics:
             REQUESTS_BY_BUDGET.labels(self.model_name, f"{req.route.budget:g}").inc()
             if req.route.fallback:
                 ROUTER_FALLBACKS.labels(self.model_name).inc()
+            if req.adapted:
+                ADAPTIVE_DEPTH.labels(self.model_name).inc()
 
     def drain_cut(self, n: int) -> None:
         if n:
