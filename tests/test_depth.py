@@ -106,8 +106,7 @@ def test_api_admits_at_the_sparser_budget_while_requests_wait(serve_tiny, routed
     requests queue. The streams keep the mask they started with in every chunk; short requests
     admitted while 2 or more wait run at 0.25 and say so; one that fixed its budget does not; the
     counter counts the adapted ones; an idle server is back at 0.125."""
-    server = serve_tiny(bank=str(routed_bank_file), budget=0.125, adaptive_depth=True, adaptive_depth_queue=2,
-                        max_tokens_limit=240)
+    server = serve_tiny(bank=str(routed_bank_file), budget=0.125, adaptive_depth=True, adaptive_depth_queue=2)
     client = server.client()
     health = httpx.get(server.base_url + "/health").json()
     assert health["default_budget"] == 0.125
@@ -118,7 +117,7 @@ def test_api_admits_at_the_sparser_budget_while_requests_wait(serve_tiny, routed
 
     def long_stream(started):
         infos = []
-        for chunk in client.completions.create(model=tiny.name, prompt=prompt, max_tokens=240, temperature=0,
+        for chunk in client.completions.create(model=tiny.name, prompt=prompt, max_tokens=200, temperature=0,
                                                stream=True, extra_body={"ignore_eos": True}):
             infos.append(chunk.model_extra["igserve"])
             started.append(1)

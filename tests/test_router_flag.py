@@ -72,17 +72,19 @@ def test_centroid_router_on_a_format_2_bank_has_no_predictor(tiny_bank):
     assert Router(bank, default_budget=0.125).route([TINY_BANK_TEXTS["code"]])[0].mask_id == "global@0.125"
 
 
-def test_learned_router_on_a_format_1_bank_is_a_startup_error(tiny_model_dir, tiny_bank_file, capsys):
+def test_learned_router_on_a_format_1_bank_is_a_startup_error(tiny_model_dir, tiny_bank, tmp_path, capsys):
     from server import cli
 
+    path = tmp_path / "format1.json"
+    MaskBank(**dict(vars(tiny_bank), format_version=1)).save(path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = cli.main(["serve", "--model", str(tiny_model_dir), "--bank", str(tiny_bank_file), "--port", str(port),
+    code = cli.main(["serve", "--model", str(tiny_model_dir), "--bank", str(path), "--port", str(port),
                      "--router", "learned", "--log-level", "warning"])
     assert code == 1
     err = capsys.readouterr().err
-    assert f"error: mask bank {tiny_bank_file}: router method 'learned' not available" in err
+    assert f"error: mask bank {path}: router method 'learned' not available" in err
     assert "centroids only (format 1" in err and "Traceback" not in err
 
 
