@@ -102,10 +102,11 @@ def test_engine_adapts_admissions_under_a_backlog_and_never_a_running_request(ti
 
 # ---------------------------------------------------------------------------- through the API
 def test_api_admits_at_the_sparser_budget_while_requests_wait(serve_tiny, routed_bank_file, tiny):
-    """Default budget 0.125, threshold 2, 4 slots: four long streams fill the slots, then six short
-    requests queue. The streams keep the mask they started with in every chunk; short requests
-    admitted while 2 or more wait run at 0.25 and say so; one that fixed its budget does not; the
-    counter counts the adapted ones; an idle server is back at 0.125."""
+    """Default budget 0.125, threshold 2, 4 slots: four long streams fill the slots one after the
+    other (each admitted with nothing waiting), then six short requests queue. The streams keep
+    the mask they started with in every chunk; short requests admitted while 2 or more wait run at
+    0.25 and say so; one that fixed its budget does not; the counter counts the adapted ones; an
+    idle server is back at 0.125."""
     server = serve_tiny(bank=str(routed_bank_file), budget=0.125, adaptive_depth=True, adaptive_depth_queue=2)
     client = server.client()
     health = httpx.get(server.base_url + "/health").json()
@@ -130,9 +131,11 @@ def test_api_admits_at_the_sparser_budget_while_requests_wait(serve_tiny, routed
 
     with ThreadPoolExecutor(10) as pool:
         started = [[] for _ in range(4)]
-        streams = [pool.submit(long_stream, s) for s in started]
-        while not all(started) and not any(f.done() for f in streams):
-            time.sleep(0.01)
+        streams = []
+        for s in started:  # one at a time: a stream that arrives while another waits would be adapted
+            streams.append(pool.submit(long_stream, s))
+            while not s and not streams[-1].done():
+                time.sleep(0.01)
         assert httpx.get(server.base_url + "/health").json()["running"] == 4
         shorts = [pool.submit(short, b) for b in (None, None, None, 0.125, None, None)]
         long_infos = [f.result() for f in streams]
