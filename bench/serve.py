@@ -1,12 +1,14 @@
 """`igserve bench serve`: concurrent streaming chat clients against a server, IG routing vs forced dense.
 
-Starts its own server (``--model``, ``--bank``) unless ``--url`` names a running one. For each
+Starts its own server (``--model``, ``--bank``, ``--max-batch``, ``--server-args``) unless ``--url``
+names a running one. For each
 client count and each mode (``ig``: ``igserve.mask`` auto; ``dense``: forced) -- the two modes
 alternate per client count so background load hits both alike -- C closed-loop clients each send
 R greedy streaming requests with mixed-domain prompts, each generating exactly ``--max-tokens``
 (``ignore_eos``, so that IG and dense do the same work). Reported per run: aggregate output
 tokens/s (completion tokens over wall time), TTFT and per-token latency percentiles, router ms
-and skip ratio from the ``igserve`` objects, and the acceptance checks of the serving design.
+skip ratio, budget and the share admitted sparser by ``--adaptive-depth`` from the ``igserve``
+objects, and the acceptance checks of the serving design.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -41,6 +44,8 @@ class Sample:
     tpot_s: float | None = None
     router_ms: float | None = None
     skip_ratio: float | None = None
+    budget: float | None = None
+    adaptive: bool = False  # admitted at a sparser budget by the server's --adaptive-depth
     error: str | None = None
 
 
@@ -66,6 +71,7 @@ async def stream_chat(http: httpx.AsyncClient, model: str, prompt: str, mask: st
                 info = chunk.get("igserve")  # absent from other servers (bench compare)
                 if info:
                     sample.router_ms, sample.skip_ratio = info["router_ms"], info["skip_ratio"]
+                    sample.budget, sample.adaptive = info.get("budget"), bool(info.get("adaptive"))
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"]["completion_tokens"]
                 if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
@@ -107,6 +113,9 @@ async def run_clients(http, model: str, prompts: list[str], mode: str, clients: 
         "tpot_ms_p95": pct([s.tpot_s * 1000 for s in ok if s.tpot_s], 95),
         "router_ms_p50": pct([s.router_ms for s in ok], 50),
         "skip_ratio_mean": round(float(np.mean([s.skip_ratio for s in ok])), 4) if ok else None,
+        "budget_mean": round(float(np.mean([s.budget for s in ok if s.budget is not None])), 4)
+        if any(s.budget is not None for s in ok) else None,
+        "adaptive_share": round(sum(s.adaptive for s in ok) / len(ok), 4) if ok else None,
         "requests": len(samples), "errors": len(samples) - len(ok),
         "output_tokens": sum(s.tokens for s in ok), "wall_s": round(wall, 2),
         "error_examples": sorted({s.error for s in samples if s.error})[:3],
@@ -147,6 +156,7 @@ def start_server(args, max_batch: int) -> tuple[subprocess.Popen, str]:
            "--dtype", args.dtype, "--weights", args.weights, "--log-level", "warning"]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
+    cmd += shlex.split(getattr(args, "server_args", None) or "")
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return proc, f"http://127.0.0.1:{port}"
@@ -200,6 +210,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--requests-per-client", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024, help="for a server this command starts")
+    parser.add_argument("--max-batch", type=int, help="for a server this command starts (default: the largest "
+                                                      "client count, so that no request waits for a slot)")
+    parser.add_argument("--server-args", default="", help="more `igserve serve` flags for a server this command "
+                                                           "starts, e.g. '--budget 0.125 --adaptive-depth'")
     parser.add_argument("--dtype", default="auto", choices=models.DTYPES, help="for a server this command starts")
     parser.add_argument("--weights", default="auto", help="for a server this command starts")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -218,7 +232,7 @@ def run(args) -> int:
     if unknown:
         print(f"error: unknown mode(s) {sorted(unknown)}; known: {', '.join(MODES)}", file=sys.stderr)
         return 2
-    proc, url = (None, args.url.rstrip("/")) if args.url else start_server(args, max(client_counts))
+    proc, url = (None, args.url.rstrip("/")) if args.url else start_server(args, args.max_batch or max(client_counts))
     try:
         health = wait_healthy(url, proc)
         if health.get("routing") != "ig" and "ig" in args.modes:
@@ -232,7 +246,10 @@ def run(args) -> int:
               "config": {"url": args.url, "model": health.get("model"), "bank": None if args.url else args.bank,
                          "routing": health.get("routing"), "clients": client_counts,
                          "dtype": health.get("dtype"), "weights": health.get("weights"),
-                         "ignore_eos": args.ignore_eos,
+                         "ignore_eos": args.ignore_eos, "router": health.get("router"),
+                         "default_budget": health.get("default_budget"),
+                         "max_batch": None if args.url else args.max_batch or max(client_counts),
+                         "server_args": None if args.url else args.server_args,
                          "requests_per_client": args.requests_per_client, "max_tokens": args.max_tokens,
                          "prompts": str(args.prompts), "cpus": os.cpu_count()}}
     print(json.dumps(result["acceptance"], indent=1))

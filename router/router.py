@@ -59,7 +59,8 @@ class Router:
     names none; ``check`` raises ``ValueError`` for options this bank cannot serve.
     """
 
-    def __init__(self, bank: MaskBank, encoder=None, method: str | None = None, ood: bool = True):
+    def __init__(self, bank: MaskBank, encoder=None, method: str | None = None, ood: bool = True,
+                 default_budget: float | None = None):
         try:
             check_name(bank.encoder["name"])
         except EncoderError as exc:
@@ -68,17 +69,27 @@ class Router:
             raise BankError(f"mask bank centroids have {bank.encoder['dim']} dimensions, the encoder {ENCODER_DIM}")
         learned = bank.router.get("kind") in ("ridge", "knn")
         self.method = method or ("learned" if learned else "centroid")
-        if self.method not in METHODS or (self.method == "learned" and not learned):
-            raise BankError(f"router method {self.method!r} not available for this bank "
-                            f"(it has {'a learned router' if learned else 'centroids only'})")
+        if self.method not in METHODS:
+            raise BankError(f"router method {self.method!r} not available: choose one of {', '.join(METHODS)}")
+        if self.method == "learned" and not learned:
+            raise BankError(f"router method 'learned' not available for this bank: it has centroids only (format "
+                            f"{bank.format_version}, no learned router); route it with 'centroid' or build a "
+                            f"format-2 bank with masks.learn_router")
         self.bank = bank
         self._encoder = encoder  # loaded on first use: routing precomputed embeddings needs none
         self.centroids = F.normalize(bank.centroid_tensor(), dim=1)
-        self.predictor = Predictor.from_dict(bank.router) if learned else None
+        # Centroid routing on a format-2 bank ignores its predictor: no predicted loss, so no max_loss either.
+        self.predictor = Predictor.from_dict(bank.router) if self.method == "learned" else None
         self.masks = bank.mask_tensors()
         self.mask_ids = list(bank.mask_ids)
         self.budgets = bank.budget_list()
         self.default_budget = float(bank.sparsity)
+        if default_budget is not None:
+            try:
+                self.check(budget=default_budget)
+            except ValueError as exc:
+                raise BankError(f"default budget: {exc}") from None
+            self.default_budget = float(default_budget)
         # The learned router falls back only where the bank says it helps on far calibration documents.
         applies = ood and (self.method == "centroid" or bank.ood.get("learned", True))
         self.ood_distance = bank.ood.get("distance") if applies else None
@@ -100,7 +111,8 @@ class Router:
             raise ValueError(f"budget {budget} is not in this mask bank; available: {', '.join(map(str, self.budgets))}")
         if max_loss is not None:
             if self.predictor is None:
-                raise ValueError("max_loss needs a mask bank with a learned router; this one routes by centroid")
+                raise ValueError("max_loss needs the learned router (a predicted loss per mask); this server routes "
+                                 "by nearest centroid")
             if not math.isfinite(max_loss) or max_loss < 0:
                 raise ValueError(f"max_loss must be a finite number >= 0, got {max_loss}")
 
@@ -122,7 +134,7 @@ class Router:
         start = time.perf_counter() if start is None else start
         with torch.inference_mode():
             best, idx = (emb @ self.centroids.T).max(1)
-            pred = self.predictor.predict(emb) if self.predictor is not None and self.method == "learned" else None
+            pred = self.predictor.predict(emb) if self.predictor is not None else None
         picks = [self._pick(1.0 - float(best[i]), int(idx[i]), None if pred is None else pred[i], budgets[i],
                             max_losses[i]) for i in range(len(emb))]
         ms = (time.perf_counter() - start) * 1000

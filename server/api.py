@@ -130,6 +130,7 @@ def _add_operations_routes(app: FastAPI, service: OpenAIServing) -> None:
         if loaded is not None:
             body.update(model=loaded.name, dtype=loaded.dtype, weights=loaded.weights,
                         routing="ig" if loaded.routing else "dense",
+                        router=loaded.router.method if loaded.router else None, **_depth_state(loaded),
                         masks=list(loaded.masks), engine_alive=loaded.engine.alive,
                         running=loaded.engine.num_running, waiting=loaded.engine.num_waiting)
         return JSONResponse(body, status_code=200 if service.healthy else 503)
@@ -147,6 +148,18 @@ def _add_operations_routes(app: FastAPI, service: OpenAIServing) -> None:
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+def _depth_state(loaded) -> dict:
+    """/health's view of the routing budget: the default, and with --adaptive-depth whether it is engaged."""
+    if loaded.router is None:
+        return {}
+    depth = loaded.engine.engine.depth
+    state = {"default_budget": loaded.router.default_budget}
+    if depth is not None:
+        state["adaptive_depth"] = {"active": depth.active, "budget": depth.sparse, "engage_at": depth.engage,
+                                   "release_below": depth.release, "adapted": depth.adapted}
+    return state
 
 
 # ---------------------------------------------------------------------------- the process

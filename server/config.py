@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from server import models
 
 DEFAULT_BANK = "masks/banks/smollm2-135m-instruct-s0.25.json"
+ROUTERS = ("learned", "centroid")  # router.router.METHODS (not imported here: that loads torch)
 
 
 def _opt(default, help: str, **argparse_kwargs):
@@ -23,6 +24,15 @@ def _opt(default, help: str, **argparse_kwargs):
 class ServeConfig:
     model: str = _opt(models.DEFAULT_MODEL, "packaged model name or HF directory")
     bank: str | None = _opt(DEFAULT_BANK, "mask bank JSON; a missing file serves dense")
+    router: str | None = _opt(None, "how a routed request picks its mask: learned (the bank's loss predictor) or "
+                                    "centroid (nearest cluster centroid); default: learned when the bank has a "
+                                    "learned router (format 2), else centroid", choices=ROUTERS)
+    budget: float | None = _opt(None, "budget (sparsity) a routed request gets when it names none; one the bank "
+                                      "holds (default: the bank's)")
+    adaptive_depth: bool = _opt(False, "under load, routed requests that fix no budget are admitted at the bank's "
+                                       "next sparser budget (README, load-adaptive depth)")
+    adaptive_depth_queue: int = _opt(8, "with --adaptive-depth: waiting requests at which admissions go sparser; "
+                                        "back to the default budget once fewer than half as many wait")
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1 (default: $IGSERVE_API_KEY)",
@@ -52,8 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         meta = dict(f.metadata)
         env = meta.pop("env", None)
         default = os.environ.get(env, f.default) if env else f.default
-        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0])
-        parser.add_argument("--" + f.name.replace("_", "-"), default=default, type=kind, **meta)
+        kind = str(f.type).split(" ")[0]
+        if kind == "bool":  # --flag / --no-flag
+            parser.add_argument("--" + f.name.replace("_", "-"), default=default,
+                                action=argparse.BooleanOptionalAction, **meta)
+            continue
+        parser.add_argument("--" + f.name.replace("_", "-"), default=default,
+                            type={"int": int, "float": float}.get(kind), **meta)
 
 
 def from_args(args: argparse.Namespace) -> ServeConfig:

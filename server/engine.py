@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from router.router import Router
+from server.depth import AdaptiveDepth
 from server.detokenizer import Detokenizer, backend
 from server.request import Request
 from server.runner import BlockRunner
@@ -51,11 +52,12 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, runner: BlockRunner, tokenizer, max_batch: int | None = None, router: Router | None = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, depth: AdaptiveDepth | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self._backend = backend(tokenizer)
         self.router = router
+        self.depth = depth  # load-adaptive depth: may set the budget of the requests a step admits
         self.max_batch = min(max_batch or runner.cache.max_batch, runner.cache.max_batch)
         self._measure_budget = max_num_batched_tokens is None  # at warm-up, on the serving thread
         self.scheduler = Scheduler(self.max_batch, max_num_batched_tokens or runner.max_len, runner.max_len)
@@ -135,6 +137,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
+        if self.depth is not None:  # at admission, before routing binds the mask; never for running requests
+            self.depth.admit(sched.admitted, len(self.scheduler.waiting))
         failed = self._route(sched.admitted)
         now = time.monotonic()
         for req in sched.admitted:

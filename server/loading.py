@@ -16,12 +16,13 @@ from typing import Callable
 
 import torch
 
-from masks.bank import DENSE, MaskBank
+from masks.bank import DENSE, BankError, MaskBank
 from router.encoder import load_encoder
 from router.router import Router
 from server import models
 from server.async_engine import AsyncEngine
 from server.config import ServeConfig
+from server.depth import AdaptiveDepth
 from server.engine import LLMEngine
 from server.metrics import ServingMetrics
 from server.runner import BlockRunner
@@ -87,20 +88,31 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     log.info("model %s: %s weights, %s activations on %s", lm.name, weights, dtype_name, cfg.device)
     runner = BlockRunner(lm.model, max_batch=cfg.max_batch, max_len=cfg.max_model_len)
     path = bank_path(cfg.bank)
-    bank, router = None, None
+    bank, router, depth = None, None, None
     if path is None:
+        routing_flags = [flag for flag, on in (("--router", cfg.router), ("--budget", cfg.budget is not None),
+                                               ("--adaptive-depth", cfg.adaptive_depth)) if on]
+        if routing_flags:
+            raise BankError(f"{', '.join(routing_flags)} need a mask bank, and there is none at {cfg.bank}")
         log.warning("no mask bank at %s: serving dense (mask 'dense' for every request, router not loaded)",
                     cfg.bank)
     else:
         bank = MaskBank.load(path)
         bank.check_model(lm.fingerprint, runner.num_blocks)
-        router = Router(bank, load_encoder(cfg.device, dtype))
-        log.info("mask bank %s: %d clusters, sparsity %.2f, baselines %s", path, len(bank.mask_ids),
-                 bank.sparsity, sorted(bank.baselines))
+        encoder = load_encoder(cfg.device, dtype)
+        try:
+            router = Router(bank, encoder, method=cfg.router, default_budget=cfg.budget)
+            depth = AdaptiveDepth(router.budgets, router.default_budget, cfg.adaptive_depth_queue) \
+                if cfg.adaptive_depth else None
+        except ValueError as exc:  # BankError included
+            raise BankError(f"mask bank {path}: {exc}") from None
+        log.info("mask bank %s: %d clusters, budgets %s (default %g), %s router%s", path, len(bank.mask_ids),
+                 ", ".join(f"{b:g}" for b in router.budgets), router.default_budget, router.method,
+                 f", adaptive depth to {depth.sparse:g} at {depth.engage} waiting" if depth else "")
     masks = {i: MaskChoice(m, 1.0 - float(m.float().mean()), runner.cost.compute_saved(m))
              for i, m in _mask_tensors(bank, router, runner.num_blocks).items()}
     metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
-    engine = LLMEngine(runner, lm.tokenizer, cfg.max_batch, router, cfg.max_num_batched_tokens)
+    engine = LLMEngine(runner, lm.tokenizer, cfg.max_batch, router, cfg.max_num_batched_tokens, depth)
     max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
     return Loaded(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
                   router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name,

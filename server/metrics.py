@@ -69,6 +69,8 @@ DRAIN_CUT = _counter("igserve_drain_timeout_requests", "Requests still in flight
                      "ended with an error.")
 PROMPT_TOKENS = _counter("igserve_prompt_tokens", "Prefilled prompt tokens.")
 GENERATION_TOKENS = _counter("igserve_generation_tokens", "Generated tokens.")
+ADAPTIVE_DEPTH = _counter("igserve_adaptive_depth_requests", "Routed requests that load-adaptive depth admitted at "
+                          "a sparser budget than the default (--adaptive-depth).")
 BLOCKS_EXECUTED = _counter("igserve_blocks_executed", "Block executions (one block on one token) by kind.", "kind")
 
 NUM_RUNNING = _gauge("igserve_num_requests_running", "Requests in a batch slot.")
@@ -117,6 +119,8 @@ class ServingMetrics:
             REQUESTS_BY_BUDGET.labels(self.model_name, f"{req.route.budget:g}").inc()
             if req.route.fallback:
                 ROUTER_FALLBACKS.labels(self.model_name).inc()
+            if req.adapted:
+                ADAPTIVE_DEPTH.labels(self.model_name).inc()
 
     def drain_cut(self, n: int) -> None:
         if n:

@@ -336,6 +336,8 @@ class IgserveInfo(BaseModel):
     budget: float | None = None  # sparsity of the chosen mask's budget (routed requests)
     fallback: bool = False  # out of distribution: the budget's global mask was used
     predicted_loss: float | None = None  # learned router: predicted excess loss per token (nats)
+    router: str | None = None  # routed requests: "learned" or "centroid"
+    adaptive: bool = False  # load-adaptive depth admitted it at a sparser budget than the default
 
 
 class Usage(BaseModel):

@@ -31,6 +31,7 @@ class Request:
     route: Route | None = None  # set when the engine routed the request
     budget: float | None = None  # routing options (None: the bank's default)
     max_loss: float | None = None
+    adapted: bool = False  # admitted at a sparser budget by load-adaptive depth (server.depth)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
     # progress, owned by the engine thread

@@ -92,10 +92,52 @@ def tiny_bank(tiny):
     )
 
 
+def routed_bank(tiny_bank, ood: float | None = None):
+    """(bank, planted labels, candidate ids): the tiny bank as format 2, budgets 0.125 (1 block) and
+    0.25 (2 blocks, the default), a ridge router fit on planted losses of the three centroid texts:
+    on the math text the math mask is lowest, on the code and chat texts the global mask, so there
+    the learned router and the nearest centroid choose differently."""
+    from masks.bank import MaskBank
+    from router.encoder import embed
+    from router.predictor import fit
+
+    n_blocks = len(tiny_bank.blocks)
+    pool = {}
+    for s, n_skip in ((0.125, 1), (0.25, 2)):
+        for name, skips in TINY_BANK_SKIPS.items():
+            mask = [j not in skips[:n_skip] for j in range(n_blocks)]
+            pool[f"{name}@{s:g}"] = {"budget": s, "kind": "static" if name == "global" else "cluster", "mask": mask}
+    ids = list(pool)
+    emb = embed(list(TINY_BANK_TEXTS.values()))
+    target = torch.full((3, len(ids)), 0.5)
+    for i, text_id in enumerate(TINY_BANK_TEXTS):
+        for j, m in enumerate(ids):
+            name, s = m.split("@")
+            target[i, j] = (0.1 if (name == text_id == "math") or (name == "global" and text_id != "math") else 0.5) \
+                + (0.3 if s == "0.25" else 0.0)
+    router = fit("ridge", emb, target, ids, 1e-6).to_dict()
+    budgets = {f"{s:g}": {"cluster_masks": [f"{c}@{s:g}" for c in TINY_BANK_TEXTS],
+                          "candidates": [m for m in ids if pool[m]["budget"] == s], "global": f"global@{s:g}"}
+               for s in (0.125, 0.25)}
+    d = budgets["0.25"]
+    return MaskBank(model=tiny_bank.model, encoder=tiny_bank.encoder, sparsity=0.25, blocks=tiny_bank.blocks,
+                    centroids=tiny_bank.centroids, masks=[pool[m]["mask"] for m in d["cluster_masks"]],
+                    mask_ids=d["cluster_masks"], clusters=tiny_bank.clusters,
+                    baselines={"global@0.25": pool["global@0.25"]["mask"]}, pool=pool, budgets=budgets,
+                    router=router, ood={"distance": ood} if ood is not None else {}), target, ids
+
+
 @pytest.fixture(scope="session")
 def tiny_bank_file(tiny_bank, tmp_path_factory):
     path = tmp_path_factory.mktemp("banks") / "tiny.json"
     tiny_bank.save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def routed_bank_file(tiny_bank, tmp_path_factory):
+    path = tmp_path_factory.mktemp("banks") / "tiny-routed.json"
+    routed_bank(tiny_bank)[0].save(path)
     return path
 
 

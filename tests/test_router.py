@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_BANK_SKIPS, TINY_BANK_TEXTS
+from conftest import TINY_BANK_TEXTS, routed_bank
 
 from masks.bank import BankError, MaskBank
 from router.encoder import BF16_PAD, ENCODER_DIM, Encoder, check_name, embed, load_encoder
@@ -105,39 +105,8 @@ def test_chat_routing_text_is_last_user_turn_then_system():
 
 
 # ---------------------------------------------------------------------------- format 2: learned router
-def _routed_bank(tiny_bank, ood: float | None = None):
-    """The tiny bank as format 2: budgets 0.125 (1 block) and 0.25 (2 blocks), a ridge router whose
-    predicted loss is planted (math texts: c_math lowest; others: the global mask lowest)."""
-    from router.predictor import fit
-
-    n_blocks = len(tiny_bank.blocks)
-    pool = {}
-    for s, n_skip in ((0.125, 1), (0.25, 2)):
-        for name, skips in TINY_BANK_SKIPS.items():
-            mask = [j not in skips[:n_skip] for j in range(n_blocks)]
-            pool[f"{name}@{s:g}"] = {"budget": s, "kind": "static" if name == "global" else "cluster", "mask": mask}
-    ids = list(pool)
-    emb = embed(list(TINY_BANK_TEXTS.values()))
-    target = torch.full((3, len(ids)), 0.5)
-    for i, text_id in enumerate(TINY_BANK_TEXTS):
-        for j, m in enumerate(ids):
-            name, s = m.split("@")
-            target[i, j] = (0.1 if (name == text_id == "math") or (name == "global" and text_id != "math") else 0.5) \
-                + (0.3 if s == "0.25" else 0.0)
-    router = fit("ridge", emb, target, ids, 1e-6).to_dict()
-    budgets = {f"{s:g}": {"cluster_masks": [f"{c}@{s:g}" for c in TINY_BANK_TEXTS],
-                          "candidates": [m for m in ids if pool[m]["budget"] == s], "global": f"global@{s:g}"}
-               for s in (0.125, 0.25)}
-    d = budgets["0.25"]
-    return MaskBank(model=tiny_bank.model, encoder=tiny_bank.encoder, sparsity=0.25, blocks=tiny_bank.blocks,
-                    centroids=tiny_bank.centroids, masks=[pool[m]["mask"] for m in d["cluster_masks"]],
-                    mask_ids=d["cluster_masks"], clusters=tiny_bank.clusters,
-                    baselines={"global@0.25": pool["global@0.25"]["mask"]}, pool=pool, budgets=budgets,
-                    router=router, ood={"distance": ood} if ood is not None else {}), target, ids
-
-
 def test_learned_router_picks_the_lowest_predicted_loss_within_the_budget(tiny_bank, tmp_path):
-    bank, target, ids = _routed_bank(tiny_bank)
+    bank, target, ids = routed_bank(tiny_bank)
     bank.save(tmp_path / "b.json")
     router = Router(MaskBank.load(tmp_path / "b.json"))
     assert router.method == "learned" and router.budgets == [0.125, 0.25] and router.default_budget == 0.25
@@ -155,7 +124,7 @@ def test_learned_router_picks_the_lowest_predicted_loss_within_the_budget(tiny_b
 
 
 def test_max_loss_takes_the_sparsest_mask_within_it(tiny_bank):
-    bank, _, _ = _routed_bank(tiny_bank)
+    bank, _, _ = routed_bank(tiny_bank)
     router = Router(bank)
     math_text = [TINY_BANK_TEXTS["math"]]
     assert router.route(math_text, max_losses=[0.45])[0].mask_id == "math@0.25"  # 0.4 at 0.25 fits
@@ -166,7 +135,7 @@ def test_max_loss_takes_the_sparsest_mask_within_it(tiny_bank):
 
 
 def test_options_this_bank_cannot_serve_raise_value_error(tiny_bank):
-    router = Router(_routed_bank(tiny_bank)[0])
+    router = Router(routed_bank(tiny_bank)[0])
     for kwargs, match in (({"budget": 0.3}, "available: 0.125, 0.25"), ({"max_loss": -1.0}, ">= 0"),
                           ({"max_loss": float("nan")}, "finite"), ({"budget": 0.25, "max_loss": 1.0}, "either")):
         with pytest.raises(ValueError, match=match):
@@ -180,7 +149,7 @@ def test_options_this_bank_cannot_serve_raise_value_error(tiny_bank):
 
 
 def test_out_of_distribution_texts_fall_back_to_the_global_mask(tiny_bank):
-    bank, _, _ = _routed_bank(tiny_bank, ood=0.2)
+    bank, _, _ = routed_bank(tiny_bank, ood=0.2)
     routes = Router(bank).route([TINY_BANK_TEXTS["math"], NEW_TEXTS["chat"]], budgets=[0.125, None])
     assert routes[0].mask_id == "math@0.125" and not routes[0].fallback  # its own centroid: distance ~0
     assert routes[1].distance > 0.2 and routes[1].fallback and routes[1].mask_id == "global@0.25"
@@ -191,7 +160,7 @@ def test_out_of_distribution_texts_fall_back_to_the_global_mask(tiny_bank):
 
 
 def test_mask_tensors_are_made_once_and_shared(tiny_bank):
-    bank, _, ids = _routed_bank(tiny_bank)
+    bank, _, ids = routed_bank(tiny_bank)
     router = Router(bank)
     assert router.masks is bank.mask_tensors() and bank.mask("math@0.125") is router.masks["math@0.125"]
     assert set(router.masks) == {"dense", *ids}
