@@ -104,6 +104,10 @@ async def run_clients(http, model: str, prompts: list[str], mode: str, clients: 
         values = [v for v in values if v is not None]
         return round(float(np.percentile(values, q)), 2) if values else None
 
+    def mean(values):  # None: a server without igserve objects (llama-server)
+        values = [v for v in values if v is not None]
+        return round(float(np.mean(values)), 4) if values else None
+
     return {
         "mode": mode, "clients": clients,
         "output_tok_s": round(sum(s.tokens for s in ok) / wall, 2),
@@ -112,9 +116,8 @@ async def run_clients(http, model: str, prompts: list[str], mode: str, clients: 
         "tpot_ms_p50": pct([s.tpot_s * 1000 for s in ok if s.tpot_s], 50),
         "tpot_ms_p95": pct([s.tpot_s * 1000 for s in ok if s.tpot_s], 95),
         "router_ms_p50": pct([s.router_ms for s in ok], 50),
-        "skip_ratio_mean": round(float(np.mean([s.skip_ratio for s in ok])), 4) if ok else None,
-        "budget_mean": round(float(np.mean([s.budget for s in ok if s.budget is not None])), 4)
-        if any(s.budget is not None for s in ok) else None,
+        "skip_ratio_mean": mean([s.skip_ratio for s in ok]),
+        "budget_mean": mean([s.budget for s in ok]),
         "adaptive_share": round(sum(s.adaptive for s in ok) / len(ok), 4) if ok else None,
         "requests": len(samples), "errors": len(samples) - len(ok),
         "output_tokens": sum(s.tokens for s in ok), "wall_s": round(wall, 2),
