@@ -61,7 +61,8 @@ REQUEST_ERRORS = Counter("igserve_request_errors", "Error responses by OpenAI er
                          [LABEL, "error_type"], registry=REGISTRY)
 DRAIN_CUT = Counter("igserve_drain_timeout_requests", "Requests still in flight at the drain timeout on shutdown, "
                     "ended with an error.", [LABEL], registry=REGISTRY)
-PROMPT_TOKENS = Counter("igserve_prompt_tokens", "Prefilled prompt tokens.", [LABEL], registry=REGISTRY)
+PROMPT_TOKENS = Counter("igserve_prompt_tokens", "Prefilled prompt tokens (the choices of one prompt prefill it "
+                        "once).", [LABEL], registry=REGISTRY)
 GENERATION_TOKENS = Counter("igserve_generation_tokens", "Generated tokens.", [LABEL], registry=REGISTRY)
 BLOCKS_EXECUTED = Counter("igserve_blocks_executed", "Block executions (one block on one token) by kind.",
                           [LABEL, "kind"], registry=REGISTRY)
@@ -135,7 +136,7 @@ class ServingMetrics:
             last = self._last_token.get(req.request_id)
             if last is None:  # this step prefilled the request
                 self._scheduled(req)
-                self.prompt_tokens.inc(len(req.prompt_ids))
+                self.prompt_tokens.inc(len(req.prompt_ids) - req.num_shared)
                 if req.first_token_time is not None:  # None: scored only (max_tokens 0), no token
                     self.ttft.observe(req.first_token_time - req.arrival)
                 self.queue.observe(req.scheduled_time - self._queued.pop(req.request_id))
