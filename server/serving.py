@@ -31,7 +31,6 @@ from server.metrics import count_error
 from server.engine import StepOutput
 from server.request import Request as EngineRequest
 from server.sampling import SEED_RANGE
-from server.structured import Matcher
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI; chat defaults to what the limit and the context allow
 RETRY_AFTER_FULL_S = 1
@@ -269,7 +268,7 @@ class OpenAIServing:
                     budget=budget, max_loss=max_loss, shares_prefill_of=first,
                     request_id=response_id if total == 1 else f"{response_id}-{len(reqs)}",
                     prompt_logprobs=body.logprobs_count() if scored else None,
-                    grammar=None if grammar is None else Matcher(grammar)))
+                    grammar=None if grammar is None else loaded.structured.new_matcher(grammar)))
                 if j == 0:
                     first = reqs[-1]
         return reqs

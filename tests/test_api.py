@@ -705,22 +705,13 @@ def test_logprobs_and_echo_equal_the_runner_log_softmax(client, model, tiny):
         assert e.usage.prompt_tokens == len(ids) + 5 and e.usage.completion_tokens == 2 * max_tokens
 
 
-def test_chat_logprobs_n_and_json_schema(client, model):
+def test_chat_logprobs_and_n(client, model):
     messages = [{"role": "user", "content": "Give me a person."}]
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0.9, seed=3, n=3,
                                        logprobs=True, top_logprobs=3, extra_body=mask_body("dense"))
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({c.message.content for c in r.choices}) > 1  # seed + j per choice
     assert all(len(c.logprobs.content) == 5 and len(c.logprobs.content[0].top_logprobs) == 3 for c in r.choices)
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
-    j = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
-                                       response_format={"type": "json_schema", "json_schema": {
-                                           "name": "person", "schema": schema, "strict": True}},
-                                       extra_body=mask_body("dense"))
-    import jsonschema
-    if j.choices[0].finish_reason == "stop":
-        jsonschema.validate(json.loads(j.choices[0].message.content), schema)
 
 
 # ---------------------------------------------------------------------------- n > 1: one prefill per prompt
@@ -823,6 +814,65 @@ def test_choices_without_a_free_slot_prefill_on_their_own(tiny, monkeypatch):
     assert prompt_positions(rows, len(ids)) == 3 * len(ids)
     with pytest.raises(ValueError, match="same prompt"):
         engine.add(Request(list(ids[:-1]), dense, SamplingParams(), shares_prefill_of=first))
+
+
+# ---------------------------------------------------------------------------- structured outputs
+STRICT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "role", "age", "active"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_validates_and_equals_the_engine(live_server, client, model, tiny):
+    """Every choice parses and validates against a strict schema (required fields, enum,
+    integer bounds); greedy output equals the engine alone with the same grammar, and the same
+    request without the format does not parse (the grammar is what makes it JSON)."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Give me a user record as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": STRICT_SCHEMA, "strict": True}}
+    kwargs = dict(model=model, messages=messages, max_tokens=80, extra_body=mask_body("dense"))
+    greedy = client.chat.completions.create(**kwargs, temperature=0, response_format=fmt)
+    sampled = client.chat.completions.create(**kwargs, temperature=1.0, seed=9, n=3, response_format=fmt)
+    for choice in greedy.choices + sampled.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), STRICT_SCHEMA)
+    assert len({c.message.content for c in sampled.choices}) > 1
+    structured = live_server.app.state.service.loaded.structured
+    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    ref = LLMEngine(runner, tiny.tokenizer).generate([Request(
+        chat_ids(tiny, messages), torch.ones(8, dtype=torch.bool), SamplingParams(max_tokens=80, temperature=0),
+        grammar=structured.matcher(fmt))])[0]
+    assert greedy.choices[0].message.content == ref.text
+    plain = client.chat.completions.create(**kwargs, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(plain.choices[0].message.content)
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "a": {"type": "no-such-type"}}}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
+    {"type": "json_schema"},
+    {"type": "json_object", "json_schema": {"name": "x", "schema": {}}},
+    {"type": "yaml"},
+], ids=["unknown-type", "missing-ref", "not-an-object", "no-json-schema", "schema-with-json-object", "yaml"])
+def test_a_bad_response_format_is_a_400_error_object(live_server, model, fmt):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": fmt}
+    r = httpx.post(live_server.base_url + "/v1/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {TEST_API_KEY}"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"].startswith("response_format"), err
 
 
 def test_routing_options_budget_and_max_loss(client, model, tiny_bank):
