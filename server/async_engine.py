@@ -72,7 +72,7 @@ class AsyncEngine:
         self.num_running = 0  # written by the engine thread after each step
         self.num_waiting = 0
         self._streams: dict[str, RequestStream] = {}  # event-loop side: requests not yet finished
-        self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, Request | list[Request]]] = queue.SimpleQueue()  # add: a list
         self._wake = threading.Event()
         self._idle = asyncio.Event()
         self._closing = False
@@ -93,15 +93,21 @@ class AsyncEngine:
 
     def submit(self, request: Request) -> RequestStream:
         """Queue a request; raises QueueFull or EngineClosed at once, never later."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[RequestStream]:
+        """Queue requests together (the choices of one response): all or none, and the engine adds
+        them between the same two steps, so choices sharing a prefill find each other queued."""
         if self._closing or self.dead is not None:
             raise EngineClosed("server is shutting down" if self.dead is None else "the engine has stopped")
-        if self.full:
+        if len(self._streams) + len(requests) > self.capacity:
             raise QueueFull(f"{len(self._streams)} requests in flight, the limit is {self.capacity}")
-        stream = RequestStream(request)
-        self._streams[request.request_id] = stream
+        streams = [RequestStream(r) for r in requests]
+        for stream in streams:
+            self._streams[stream.request.request_id] = stream
         self._idle.clear()
-        self._send("add", request)
-        return stream
+        self._send("add", requests)
+        return streams
 
     def abort(self, request: Request) -> None:
         """Drop a request (client gone); its slot is free at the next step. No-op once finished."""
@@ -140,7 +146,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
-    def _send(self, op: str, request: Request) -> None:
+    def _send(self, op: str, request: Request | list[Request]) -> None:
         self._inbox.put((op, request))
         self._wake.set()
 
@@ -213,17 +219,21 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if op == "add":
-                try:
-                    self.engine.add(req)
-                except ValueError as exc:
-                    self._loop.call_soon_threadsafe(self._deliver, [(req, exc)])
-                    continue
-                if self.metrics is not None:
-                    self.metrics.queued(req, time.monotonic())
+                for one in req:
+                    self._add(one)
             elif not req.finished:
                 self.engine.abort(req)
                 if self.metrics is not None:
                     self.metrics.finished(req, time.monotonic())
+
+    def _add(self, req: Request) -> None:
+        try:
+            self.engine.add(req)
+        except ValueError as exc:
+            self._loop.call_soon_threadsafe(self._deliver, [(req, exc)])
+            return
+        if self.metrics is not None:
+            self.metrics.queued(req, time.monotonic())
 
     def _fail(self, failed: list[Request], exc: Exception) -> None:
         for req in failed:

@@ -5,6 +5,8 @@ running request and prefill chunks within the token budget. The requests the ste
 routed first, in one encoder batch. Decode rows run as one batched forward, prefill chunks as
 another; rows with different masks share each (the runner skips a block for the rows whose mask
 skips it). Postprocessing samples, detokenises incrementally and applies stop conditions.
+Choices of one prompt (n > 1) prefill it once: when the first one's prefill is done, the others
+get a copy of its cached prompt and sample their first tokens from the same logits.
 
 A failure fails only the requests it belongs to: a routing error the requests being routed, a
 forward that raises is retried row by row, and a row with non-finite logits or whose sampling or
@@ -115,6 +117,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
+        lead = request.shares_prefill_of
+        if lead is not None and (lead.prompt_ids != request.prompt_ids
+                                 or lead.prompt_logprobs != request.prompt_logprobs):
+            raise ValueError("a request can only share the prefill of one with the same prompt and prompt scoring")
         if len(request.prompt_ids) == 0:
             raise ValueError("prompt is empty")
         if len(request.prompt_ids) + 1 > self.runner.max_len:
@@ -196,14 +202,45 @@ class LLMEngine:
         for c in rows:
             c.request.num_computed = c.start + c.length
         done = [i for i, c in enumerate(rows) if not c.request.prefilling and not c.request.finished]
-        for i in [i for i in done if reqs[i].params.max_tokens == 0]:  # score only: no token is sampled
-            reqs[i].finish_reason = "length"
-            self.scheduler.remove(reqs[i])
-            outputs.append(StepOutput(reqs[i], [], "", True))
-        done = [i for i in done if not reqs[i].finished]
-        if not done:
+        # (request, row of logits it samples from): the rows that are done, and the choices that
+        # share the prefill of a prompt finished in this step (they sample from its logits)
+        batch = [(reqs[i], i) for i in done]
+        for i in done:
+            if rows[i].last:
+                batch += [(r, i) for r in self._share_prefill(reqs[i], outputs)]
+        for req, _ in batch:
+            if req.params.max_tokens == 0:  # score only: no token is sampled
+                req.finish_reason = "length"
+                self.scheduler.remove(req)
+                outputs.append(StepOutput(req, [], "", True))
+        batch = [(r, i) for r, i in batch if not r.finished]
+        if not batch:
             return outputs
-        return outputs + self._postprocess([reqs[i] for i in done], logits[done])
+        return outputs + self._postprocess([r for r, _ in batch], logits[[i for _, i in batch]])
+
+    def _share_prefill(self, leader: Request, outputs: list[StepOutput]) -> list[Request]:
+        """The other choices of leader's prompt (n > 1), now that its prefill is done: as many as
+        there are free slots get a copy of its cached prompt, its mask and its prompt logprobs, and
+        are returned, to sample their first token from its logits. Those left without a slot are no
+        longer held and prefill on their own; a copy that fails fails its choices."""
+        waiting = [r for r in self.scheduler.waiting if r.shares_prefill_of is leader]
+        taken = [r for r in waiting if self.scheduler.admit(r)]
+        if not taken:
+            return []
+        try:
+            self.runner.copy_slot(leader.slot, [r.slot for r in taken], leader.num_prompt)
+        except Exception as exc:
+            log.exception("copying the prompt of %s failed", leader.request_id)
+            outputs += [self._fail(r, RequestFailed(f"copying the shared prompt failed: {exc}")) for r in taken]
+            return []
+        now = time.monotonic()
+        for req in taken:
+            req.mask, req.mask_id, req.route = leader.mask, leader.mask_id, leader.route
+            req.num_computed = req.num_shared = leader.num_prompt
+            req.scheduled_time = now
+            if req.prompt_logprobs is not None:
+                req.prompt_lps, req.prompt_tops = list(leader.prompt_lps), list(leader.prompt_tops)
+        return taken
 
     @staticmethod
     def _score(chunk: Chunk, logits: torch.Tensor) -> None:

@@ -67,7 +67,7 @@ REQUESTS_BY_BUDGET = _counter("igserve_requests_by_budget", "Routed requests by 
 REQUEST_ERRORS = _counter("igserve_request_errors", "Error responses by OpenAI error type.", "error_type")
 DRAIN_CUT = _counter("igserve_drain_timeout_requests", "Requests still in flight at the drain timeout on shutdown, "
                      "ended with an error.")
-PROMPT_TOKENS = _counter("igserve_prompt_tokens", "Prefilled prompt tokens.")
+PROMPT_TOKENS = _counter("igserve_prompt_tokens", "Prefilled prompt tokens (the choices of one prompt prefill it once).")
 GENERATION_TOKENS = _counter("igserve_generation_tokens", "Generated tokens.")
 ADAPTIVE_DEPTH = _counter("igserve_adaptive_depth_requests", "Routed requests that load-adaptive depth admitted at "
                           "a sparser budget than the default (--adaptive-depth).")
@@ -144,7 +144,7 @@ class ServingMetrics:
             last = self._last_token.get(req.request_id)
             if last is None:  # this step prefilled the request
                 self._scheduled(req)
-                self.prompt_tokens.inc(len(req.prompt_ids))
+                self.prompt_tokens.inc(len(req.prompt_ids) - req.num_shared)
                 if req.first_token_time is not None:  # None: scored only (max_tokens 0), no token
                     self.ttft.observe(req.first_token_time - req.arrival)
                 self.queue.observe(req.scheduled_time - self._queued.pop(req.request_id))

@@ -113,6 +113,7 @@ class IgserveOptions(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream chunks: accepted, none is added
 
 
 class JsonSchemaFormat(_Strict):

@@ -32,11 +32,15 @@ class Request:
     budget: float | None = None  # routing options (None: the bank's default)
     max_loss: float | None = None
     adapted: bool = False  # admitted at a sparser budget by load-adaptive depth (server.depth)
+    # another choice of the same prompt (n > 1): this request waits until that one's prefill is done,
+    # then copies its cached prompt and samples its first token from the same logits
+    shares_prefill_of: Request | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
     # progress, owned by the engine thread
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the slot
+    num_shared: int = 0  # prompt tokens copied from shares_prefill_of's slot instead of prefilled
     slot: int | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     error: BaseException | None = None  # why the request failed (finish_reason "error")
@@ -61,6 +65,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def held(self) -> bool:
+        """Waiting for the choice whose prefill it shares: that one is queued or still prefilling.
+        Once it is done (or gone) a held request is admitted with it or, failing that, on its own."""
+        lead = self.shares_prefill_of
+        return lead is not None and not lead.finished and (lead.slot is None or lead.prefilling)
 
     @property
     def prefilling(self) -> bool:

@@ -10,8 +10,10 @@ prefills is never much longer than one that does not, however many rows decode. 
 decoding there is no stream to stall, and a step may prefill up to ``idle_budget`` (``IDLE_CHUNK``
 with a ``StepCost``: long enough to run at full speed, short enough that a new arrival waits little).
 Prefill rows of one step are right-padded to the longest chunk, so the budget counts padded
-tokens. The scheduler knows nothing of models: it returns a plain ``Schedule`` that maps onto
-the runner's calls, and is tested with a fake runner.
+tokens. Choices of one prompt (n > 1) are held back while their first choice prefills; the
+engine then admits them with a copy of its cache (``admit``). The scheduler knows nothing of
+models: it returns a plain ``Schedule`` that maps onto the runner's calls, and is tested with a
+fake runner.
 """
 
 from __future__ import annotations
@@ -119,16 +121,30 @@ class Scheduler:
         for req in self.running:  # prompts part-way through their prefill
             if req.prefilling and not self._add_chunk(out, req, budget):
                 return out
-        while self.waiting and self.free_slots:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if not self.free_slots:
+                break
+            if req.held:  # admitted by the engine when the prefill it shares is done (``admit``)
+                continue
             if not self._add_chunk(out, req, budget):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.slot = self.free_slots.pop(0)
             out.admitted.append(req)
             self.running.append(req)
         self.running.sort(key=lambda r: r.slot)
         return out
+
+    def admit(self, request: Request) -> bool:
+        """Give a waiting request a free slot outside ``schedule`` (its prompt's K/V are copied in,
+        not prefilled); False when every slot is taken."""
+        if not self.free_slots:
+            return False
+        self.waiting.remove(request)
+        request.slot = self.free_slots.pop(0)
+        self.running.append(request)
+        self.running.sort(key=lambda r: r.slot)
+        return True
 
     @staticmethod
     def _add_chunk(out: Schedule, req: Request, budget: int) -> bool:

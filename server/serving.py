@@ -31,7 +31,6 @@ from server.metrics import count_error
 from server.engine import StepOutput
 from server.request import Request as EngineRequest
 from server.sampling import SEED_RANGE
-from server.structured import Matcher
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI; chat defaults to what the limit and the context allow
 RETRY_AFTER_FULL_S = 1
@@ -247,7 +246,8 @@ class OpenAIServing:
 
     async def engine_requests(self, loaded: Loaded, body: protocol.GenerationRequest, prompts: list[Prompt],
                               arrival: float, response_id: str) -> list[EngineRequest]:
-        """One engine request per choice: prompt i, choice j at index i * n + j."""
+        """One engine request per choice: prompt i, choice j at index i * n + j; choices j > 0
+        share the prefill of choice 0 (the engine copies its cached prompt)."""
         mask_id = self.choose_mask(loaded, body.igserve.mask)
         mask = None if mask_id is None else loaded.masks[mask_id].mask
         budget, max_loss = self.routing_options(loaded, body.igserve, mask_id)
@@ -260,14 +260,17 @@ class OpenAIServing:
         reqs = []
         for prompt in prompts:
             params = body.sampling_params(prompt.max_tokens, loaded.vocab_size)
+            first = None
             for j in range(body.n):
                 choice = dataclasses.replace(params, seed=choice_seed(params.seed, j))
                 reqs.append(EngineRequest(
                     list(prompt.ids), mask, choice, mask_id=mask_id, routing_text=prompt.text, arrival=arrival,
-                    budget=budget, max_loss=max_loss,
+                    budget=budget, max_loss=max_loss, shares_prefill_of=first,
                     request_id=response_id if total == 1 else f"{response_id}-{len(reqs)}",
                     prompt_logprobs=body.logprobs_count() if scored else None,
-                    grammar=None if grammar is None else Matcher(grammar)))
+                    grammar=None if grammar is None else loaded.structured.new_matcher(grammar)))
+                if j == 0:
+                    first = reqs[-1]
         return reqs
 
     async def grammar(self, loaded: Loaded, body: protocol.GenerationRequest):
@@ -285,13 +288,9 @@ class OpenAIServing:
         _refuse_unserved(body)
         response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         reqs = await self.engine_requests(loaded, body, prompts, arrival, response_id)
-        streams = []
         try:
-            for req in reqs:
-                streams.append(loaded.engine.submit(req))
+            streams = loaded.engine.submit_all(reqs)
         except (QueueFull, EngineClosed) as exc:
-            for req in reqs:
-                loaded.engine.abort(req)
             raise (_queue_full(loaded.engine) if isinstance(exc, QueueFull) else _unavailable(exc)) from None
         reply = Reply(self, loaded, reqs, chat, body, response_id, [p.text for p in prompts])
         if body.stream:

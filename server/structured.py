@@ -6,6 +6,12 @@ used ones (compiling a schema costs milliseconds, a request's decode step far le
 gets its own ``Matcher``: every step it fills that row's allowed-token bitmask, which
 ``server.sampling.sample`` applies before drawing, and it accepts the drawn token. Once the JSON
 value is complete only an end-of-sequence token is allowed; the matcher is then terminated.
+
+Two things are added to xgrammar's grammars. Tokens holding a control character (U+0000-U+001F)
+are never allowed: JSON takes those only escaped inside strings, but xgrammar's string rule lets
+them through raw (all but CR and LF; the raw U+0001 a random model drew broke ``json.loads``), and
+compact JSON has no whitespace they could be. And the cache key keeps the order of a schema's
+``properties`` (the order the output writes them) while sorting every other key.
 """
 
 from __future__ import annotations
@@ -28,6 +34,22 @@ def _clean(message: str) -> str:
     return message.replace("Check failed: (error.empty()) is false: ", "")
 
 
+def _canonical(schema):
+    """The schema with every object's keys sorted, except the names in ``properties``."""
+    if isinstance(schema, list):
+        return [_canonical(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key == "properties" and isinstance(value, dict):
+            out[key] = {name: _canonical(v) for name, v in value.items()}
+        else:
+            out[key] = _canonical(value)
+    return out
+
+
 def format_key(response_format: dict | None) -> tuple[str, str | None, bool] | None:
     """(type, canonical schema JSON, strict) for a response format that constrains decoding, or
     None for plain text. Raises ValueError for a shape OpenAI does not define."""
@@ -47,19 +69,32 @@ def format_key(response_format: dict | None) -> tuple[str, str | None, bool] | N
             return ("json_object", JSON_OBJECT, False)
         if not isinstance(schema, dict):
             raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
-        return ("json_schema", json.dumps(schema, sort_keys=True), bool(spec.get("strict")))
+        return ("json_schema", json.dumps(_canonical(schema)), bool(spec.get("strict")))
     raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
 
 
-class Matcher:
-    """One request's grammar state (server.sampling.Grammar)."""
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [V] -> int32 [ceil(V/32)] in xgrammar's layout (bit j of word w allows token 32w+j)."""
+    words = (allowed.numel() + 31) // 32
+    bits = torch.zeros(words * 32, dtype=torch.long)
+    bits[:allowed.numel()] = allowed.long()
+    packed = (bits.view(words, 32) << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
-    def __init__(self, grammar: xgr.CompiledGrammar):
+
+class Matcher:
+    """One request's grammar state (server.sampling.Grammar); ``allowed`` (a packed bitmask) is
+    and-ed into every row xgrammar fills."""
+
+    def __init__(self, grammar: xgr.CompiledGrammar, allowed: torch.Tensor | None = None):
         self._m = xgr.GrammarMatcher(grammar)
+        self._allowed = allowed
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         """Write the allowed tokens into row ``index`` of an int32 [N, ceil(V/32)] CPU tensor."""
         self._m.fill_next_token_bitmask(bitmask, index)
+        if self._allowed is not None:
+            bitmask[index] &= self._allowed
 
     def accept_token(self, token: int) -> bool:
         return self._m.accept_token(token)
@@ -78,6 +113,14 @@ class StructuredOutputs:
         self.any_whitespace = any_whitespace
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.vocab_size = vocab_size
+        # tokens with a control character (see the module docstring); CR and LF are whitespace
+        # between values when whitespace is free, and xgrammar keeps them out of strings itself
+        free = {0x0A, 0x0D} if any_whitespace else set()
+        self.control_tokens = [i for i, raw in enumerate(info.decoded_vocab) if any(b < 0x20 and b not in free
+                                                                                   for b in raw)]
+        allowed = torch.ones(vocab_size, dtype=torch.bool)
+        allowed[[i for i in self.control_tokens if i < vocab_size]] = False
+        self.allowed = pack_bitmask(allowed)
         self.stop_token_ids = list(info.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._cache: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
@@ -108,7 +151,11 @@ class StructuredOutputs:
 
     def matcher(self, response_format: dict | None) -> Matcher | None:
         grammar = self.compile(response_format)
-        return None if grammar is None else Matcher(grammar)
+        return None if grammar is None else self.new_matcher(grammar)
+
+    def new_matcher(self, grammar: xgr.CompiledGrammar) -> Matcher:
+        """One request's state for a compiled grammar (each choice of a request gets its own)."""
+        return Matcher(grammar, self.allowed)
 
     def cached(self) -> int:
         return len(self._cache)

@@ -13,6 +13,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # read at import: else LiteLLM fetches a price list
 torch.set_num_threads(2)
 
 TINY_LAYERS = 4

@@ -681,22 +681,174 @@ def test_logprobs_and_echo_equal_the_runner_log_softmax(client, model, tiny):
         assert e.usage.prompt_tokens == len(ids) + 5 and e.usage.completion_tokens == 2 * max_tokens
 
 
-def test_chat_logprobs_n_and_json_schema(client, model):
+def test_chat_logprobs_and_n(client, model):
     messages = [{"role": "user", "content": "Give me a person."}]
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0.9, seed=3, n=3,
                                        logprobs=True, top_logprobs=3, extra_body=mask_body("dense"))
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({c.message.content for c in r.choices}) > 1  # seed + j per choice
     assert all(len(c.logprobs.content) == 5 and len(c.logprobs.content[0].top_logprobs) == 3 for c in r.choices)
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
-    j = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
-                                       response_format={"type": "json_schema", "json_schema": {
-                                           "name": "person", "schema": schema, "strict": True}},
+
+
+# ---------------------------------------------------------------------------- n > 1: one prefill per prompt
+def record_rows(runner: BlockRunner, monkeypatch) -> list[tuple[int, int]]:
+    """(start, length) of every row the runner computes from now on (prefill chunks and decode)."""
+    rows = []
+    extend_hidden = runner.extend_hidden
+
+    def spy(chunks, starts, *args):
+        rows.extend(zip(starts, map(len, chunks)))
+        return extend_hidden(chunks, starts, *args)
+
+    monkeypatch.setattr(runner, "extend_hidden", spy)
+    return rows
+
+
+def prompt_positions(rows: list[tuple[int, int]], n: int) -> int:
+    """How many computed positions lie in an n-token prompt (decode rows all start past it)."""
+    return sum(max(0, min(start + length, n) - start) for start, length in rows)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_n_greedy_choices_equal_one_run_and_prefill_the_prompt_once(live_server, client, model, tiny, stream,
+                                                                     monkeypatch):
+    rows = record_rows(live_server.app.state.service.loaded.engine.engine.runner, monkeypatch)
+    ids = tiny.tokenizer(PROMPTS["code"])["input_ids"]
+    single = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
                                        extra_body=mask_body("dense"))
+    ref = run_alone(tiny, ids, torch.ones(8, dtype=torch.bool), max_tokens=10, temperature=0)
+    assert single.choices[0].text == ref.text
+    before = live_server.metrics()
+    rows.clear()
+    r = client.completions.create(model=model, prompt=ids, n=3, max_tokens=10, temperature=0, stream=stream,
+                                  extra_body=mask_body("dense"))
+    if stream:
+        texts = ["", "", ""]
+        for chunk in r:
+            texts[chunk.choices[0].index] += chunk.choices[0].text
+    else:
+        texts = [c.text for c in r.choices]
+        assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.prompt_tokens == len(ids)
+        assert r.usage.completion_tokens == 3 * len(ref.output_ids)
+    assert texts == [ref.text] * 3
+    assert prompt_positions(rows, len(ids)) == len(ids)  # one prefill: the other choices copied its cache
+    prefilled = metric_value(live_server.metrics(), "igserve_prompt_tokens_total") - \
+        metric_value(before, "igserve_prompt_tokens_total")
+    assert prefilled == len(ids)
+
+
+def test_n_seeded_choices_draw_with_seed_plus_j(client, model, tiny, tiny_bank):
+    """Choice j of a seeded request equals a run alone with seed + j, for each prompt of a list
+    and with a routed mask (the choices run under the first one's route)."""
+    expected = Router(tiny_bank).route([PROMPTS["math"]])[0].mask_id
+    r = client.completions.create(model=model, prompt=[PROMPTS["math"], PROMPTS["chat"]], n=3, max_tokens=8,
+                                  temperature=0.9, top_p=0.95, seed=41)
+    assert r.igserve["mask"] == expected
+    assert [c.index for c in r.choices] == list(range(6))
+    for i, prompt in enumerate([PROMPTS["math"], PROMPTS["chat"]]):
+        ids = tiny.tokenizer(prompt)["input_ids"]
+        mask = tiny_bank.mask(Router(tiny_bank).route([prompt])[0].mask_id)
+        for j in range(3):
+            ref = run_alone(tiny, ids, mask, max_tokens=8, temperature=0.9, top_p=0.95, seed=41 + j)
+            assert r.choices[3 * i + j].text == ref.text, (i, j)
+    assert len({c.text for c in r.choices[:3]}) > 1
+
+
+def test_n_choices_share_the_echoed_prompt_logprobs(client, model, tiny):
+    ids = tiny.tokenizer(PROMPTS["chat"])["input_ids"]
+    one = client.completions.create(model=model, prompt=ids, max_tokens=0, echo=True, logprobs=2,
+                                    extra_body=mask_body("dense"))
+    for max_tokens in (0, 3):
+        r = client.completions.create(model=model, prompt=ids, n=2, max_tokens=max_tokens, echo=True, logprobs=2,
+                                      temperature=0, extra_body=mask_body("dense"))
+        for c in r.choices:
+            lp = c.logprobs
+            assert lp.token_logprobs[:len(ids)] == one.choices[0].logprobs.token_logprobs
+            assert lp.top_logprobs[:len(ids)] == one.choices[0].logprobs.top_logprobs
+            assert len(lp.tokens) == len(ids) + max_tokens
+        assert r.choices[0].text == r.choices[1].text
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 2 * max_tokens
+
+
+def test_choices_without_a_free_slot_prefill_on_their_own(tiny, monkeypatch):
+    """Two slots, four choices of one prompt: the second gets a copy of the first's cache, the
+    others wait and prefill alone when slots free; every output equals the prompt run alone."""
+    runner = BlockRunner(tiny.model, max_slots=2, max_len=256)
+    rows = record_rows(runner, monkeypatch)
+    engine = LLMEngine(runner, tiny.tokenizer)
+    ids = tiny.tokenizer(PROMPTS["math"])["input_ids"]
+    dense = torch.ones(8, dtype=torch.bool)
+    first = Request(list(ids), dense, SamplingParams(max_tokens=6, temperature=0, logprobs=1))
+    reqs = [first] + [Request(list(ids), dense, SamplingParams(max_tokens=6, temperature=0, logprobs=1),
+                              shares_prefill_of=first) for _ in range(3)]
+    engine.generate(reqs)
+    ref = run_alone(tiny, ids, dense, max_tokens=6, temperature=0, logprobs=1)
+    for req in reqs:
+        assert req.output_ids == ref.output_ids and req.text == ref.text
+        assert req.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert [r.num_shared for r in reqs] == [0, len(ids), 0, 0]
+    assert prompt_positions(rows, len(ids)) == 3 * len(ids)
+    with pytest.raises(ValueError, match="same prompt"):
+        engine.add(Request(list(ids[:-1]), dense, SamplingParams(), shares_prefill_of=first))
+
+
+# ---------------------------------------------------------------------------- structured outputs
+STRICT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "role", "age", "active"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_validates_and_equals_the_engine(live_server, client, model, tiny):
+    """Every choice parses and validates against a strict schema (required fields, enum,
+    integer bounds); greedy output equals the engine alone with the same grammar, and the same
+    request without the format does not parse (the grammar is what makes it JSON)."""
     import jsonschema
-    if j.choices[0].finish_reason == "stop":
-        jsonschema.validate(json.loads(j.choices[0].message.content), schema)
+
+    messages = [{"role": "user", "content": "Give me a user record as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": STRICT_SCHEMA, "strict": True}}
+    kwargs = dict(model=model, messages=messages, max_tokens=80, extra_body=mask_body("dense"))
+    greedy = client.chat.completions.create(**kwargs, temperature=0, response_format=fmt)
+    sampled = client.chat.completions.create(**kwargs, temperature=1.0, seed=9, n=3, response_format=fmt)
+    for choice in greedy.choices + sampled.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), STRICT_SCHEMA)
+    assert len({c.message.content for c in sampled.choices}) > 1
+    structured = live_server.app.state.service.loaded.structured
+    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    ref = LLMEngine(runner, tiny.tokenizer).generate([Request(
+        chat_ids(tiny, messages), torch.ones(8, dtype=torch.bool), SamplingParams(max_tokens=80, temperature=0),
+        grammar=structured.matcher(fmt))])[0]
+    assert greedy.choices[0].message.content == ref.text
+    plain = client.chat.completions.create(**kwargs, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(plain.choices[0].message.content)
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "a": {"type": "no-such-type"}}}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
+    {"type": "json_schema"},
+    {"type": "json_object", "json_schema": {"name": "x", "schema": {}}},
+    {"type": "yaml"},
+], ids=["unknown-type", "missing-ref", "not-an-object", "no-json-schema", "schema-with-json-object", "yaml"])
+def test_a_bad_response_format_is_a_400_error_object(live_server, model, fmt):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": fmt}
+    r = httpx.post(live_server.base_url + "/v1/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {TEST_API_KEY}"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"].startswith("response_format"), err
 
 
 def test_routing_options_budget_and_max_loss(client, model, tiny_bank):

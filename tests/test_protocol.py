@@ -36,6 +36,7 @@ GOOD_COMPLETIONS = [
     {"min_p": 0.1}, {"logit_bias": {"50256": -100, "7": 3.5}}, {"logprobs": 0}, {"logprobs": MAX_LOGPROBS},
     {"echo": True, "max_tokens": 0}, {"n": protocol.MAX_N}, {"n": 3, "best_of": 3},
     {"stop": ["\n"] * protocol.MAX_STOP_SEQUENCES}, {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+    {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
     {"response_format": {"type": "json_object"}}, {"response_format": {"type": "text"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "a_b-1", "schema": {"type": "object"},
                                                                  "strict": True, "description": "d"}}},
@@ -189,3 +190,37 @@ def test_logprob_objects_spell_tokens_and_bytes(tokenizer):
     assert comp.text_offset == [0, 1, 2]  # "h", "é", "llo"
     dumped = protocol.CompletionChoice(text=text, logprobs=comp).model_dump()
     assert set(dumped["logprobs"]) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+
+
+# ---------------------------------------------------------------------------- the README's field tables
+def _readme_tables() -> tuple[set[str], list[tuple[str, str]]]:
+    """Field names of the README's OpenAI field table, and (field, endpoints) of its table of
+    refused vLLM fields."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### OpenAI fields"):text.index("### Metrics")]
+    supported, refused = section.split("vLLM extensions that are refused")
+    names = set(re.findall(r"`([a-z_.]+)`", supported))
+    rows = [line.split("|")[1:3] for line in refused.splitlines() if line.startswith("| `")]
+    return names, [(name, ends.strip()) for cell, ends in rows for name in re.findall(r"`([a-z_]+)`", cell)]
+
+
+def test_every_request_field_is_in_the_readme_table():
+    names, _ = _readme_tables()
+    nested = {"stream_options": protocol.StreamOptions, "igserve": protocol.IgserveOptions}
+    for kind in (CompletionRequest, ChatCompletionRequest):
+        for field in kind.model_fields:
+            if field in nested:
+                assert all(f"{field}.{sub}" in names for sub in nested[field].model_fields), field
+            else:
+                assert field in names, field
+
+
+@pytest.mark.parametrize("field,endpoints", _readme_tables()[1])
+def test_vllm_fields_the_readme_lists_as_refused_are_400s_naming_them(field, endpoints):
+    kinds = {"C": (CompletionRequest, COMPLETION), "H": (ChatCompletionRequest, CHAT)}
+    for letter in endpoints.split():
+        kind, body = kinds[letter]
+        assert error_param(kind, {**body, field: True}) == field

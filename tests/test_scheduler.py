@@ -48,6 +48,10 @@ class FakeRunner:
     def prefill(self, prompts, masks, slots):
         return self.extend(prompts, [0] * len(prompts), masks, slots)
 
+    def copy_slot(self, src, dsts, length):
+        for dst in dsts:
+            self.kv[dst] = list(self.kv[src][:length])
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny):
@@ -149,6 +153,35 @@ def test_a_step_that_prefills_stays_within_its_share_of_the_decode_time():
     sched.add(make(300))
     step = sched.schedule()
     assert step.decode == streams and sum(c.length for c in step.prefill) == cost.prefill_tokens(2)
+
+
+def test_choices_of_one_prompt_wait_for_its_chunked_prefill_then_copy_it(tokenizer):
+    """n = 3 over a prompt prefilled in chunks: the other choices stay queued (a request behind
+    them is admitted meanwhile), then take a copy of the prompt's cache and decode from it (the
+    fake runner's logits depend on every cached token, so a wrong copy changes the output)."""
+    runner = FakeRunner(max_batch=4)
+    eng = LLMEngine(runner, tokenizer, max_num_batched_tokens=16)
+    eng.scheduler.idle_budget = 16
+    lead = make(40, first=2000)
+    choices = [lead] + [make(40, first=2000) for _ in range(2)]
+    for choice in choices[1:]:
+        choice.shares_prefill_of = lead
+    other = make(3, first=1000)
+    for req in choices + [other]:
+        eng.add(req)
+    eng.step()
+    assert lead.prefilling and all(c.slot is None and c.held for c in choices[1:])
+    while lead.prefilling:
+        assert all(c.slot is None for c in choices[1:])
+        eng.step()
+    assert other.slot is not None  # admitted past the held choices
+    assert all(c.slot is not None and not c.prefilling and len(c.output_ids) == 1 for c in choices[1:])
+    eng.generate([])
+    assert [c.num_shared for c in choices] == [0, 40, 40]
+    prefill_rows = sum(1 for call in runner.calls for n in call["lengths"] if n > 1)
+    assert prefill_rows == 3 + 1  # 40 tokens in 16-token chunks, and the other prompt
+    for req in choices + [other]:
+        assert req.output_ids == alone(tokenizer, req) and req.finish_reason == "length"
 
 
 def test_decode_rows_run_in_slot_order(tokenizer):

@@ -47,12 +47,13 @@ def _closing_bias(tokenizer) -> torch.Tensor:
     return bias
 
 
-def _decode(outputs, tokenizer, response_format, seeds, steps=300, close_after=20) -> list[str]:
-    """Constrained decoding of random logits for a batch of rows (one seed each)."""
+def _decode(outputs, tokenizer, response_format, seeds, steps=300, close_after=20, bias=None) -> list[str]:
+    """Constrained decoding of random logits for a batch of rows (one seed each); ``bias`` is
+    added to every step's logits."""
     rows = [RowState(SamplingParams(temperature=1.0, seed=s), grammar=outputs.matcher(response_format))
             for s in seeds]
     gen = torch.Generator().manual_seed(seeds[0])
-    bias = _closing_bias(tokenizer)
+    closing = _closing_bias(tokenizer)
     eos = set(outputs.stop_token_ids)
     done = [False] * len(rows)
     for step in range(steps):
@@ -61,6 +62,8 @@ def _decode(outputs, tokenizer, response_format, seeds, steps=300, close_after=2
             break
         logits = torch.randn(len(live), VOCAB, generator=gen) * 4
         if step >= close_after:
+            logits += closing
+        if bias is not None:
             logits += bias
         out = sample(logits, [rows[i] for i in live])
         assert out.errors == [None] * len(live)
@@ -86,6 +89,37 @@ def test_json_schema_output_validates(outputs, tokenizer):
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len(set(texts)) == 4
+
+
+def test_control_characters_never_enter_the_output(outputs, tokenizer):
+    """Tokens holding a raw control character (JSON allows them only escaped) are banned, even
+    inside strings where xgrammar's own rule allows most of them: with those tokens favoured, the
+    output still parses and holds none; the banned set is exactly the tokens with such bytes."""
+    assert 100 < len(outputs.control_tokens) < 1000
+    for t in outputs.control_tokens:
+        assert any(b < 0x20 for b in tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(t)]).encode())
+    bias = torch.zeros(VOCAB)
+    bias[outputs.control_tokens] = 12.0
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 8, "maxLength": 16}},
+              "required": ["text"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    for text in _decode(outputs, tokenizer, fmt, seeds=[11, 12, 13, 14], bias=bias):
+        jsonschema.validate(json.loads(text), schema)
+        assert not any(ord(c) < 0x20 for c in text), repr(text)
+    loose = StructuredOutputs(tokenizer, VOCAB)
+    loose.allowed = None  # xgrammar alone: the same decoding draws raw control characters
+    texts = _decode(loose, tokenizer, fmt, seeds=[11, 12, 13, 14], bias=bias)
+    assert any(ord(c) < 0x20 for text in texts for c in text)
+
+
+def test_the_output_keeps_the_schema_property_order(outputs, tokenizer):
+    reordered = {**SCHEMA, "properties": dict(reversed(list(SCHEMA["properties"].items())))}
+    for schema in (SCHEMA, reordered):
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+        for text in _decode(outputs, tokenizer, fmt, seeds=[21, 22]):
+            assert list(json.loads(text)) == list(schema["properties"])
+    assert format_key({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}) != \
+        format_key({"type": "json_schema", "json_schema": {"name": "p", "schema": reordered}})
 
 
 def test_unconstrained_random_decoding_does_not_parse(tokenizer):
