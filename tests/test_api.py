@@ -773,7 +773,7 @@ def test_n_choices_share_the_echoed_prompt_logprobs(client, model, tiny):
 def test_choices_without_a_free_slot_prefill_on_their_own(tiny, monkeypatch):
     """Two slots, four choices of one prompt: the second gets a copy of the first's cache, the
     others wait and prefill alone when slots free; every output equals the prompt run alone."""
-    runner = BlockRunner(tiny.model, max_slots=2, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=2, max_len=256)
     rows = record_rows(runner, monkeypatch)
     engine = LLMEngine(runner, tiny.tokenizer)
     ids = tiny.tokenizer(PROMPTS["math"])["input_ids"]
@@ -822,7 +822,7 @@ def test_json_schema_output_validates_and_equals_the_engine(live_server, client,
         jsonschema.validate(json.loads(choice.message.content), STRICT_SCHEMA)
     assert len({c.message.content for c in sampled.choices}) > 1
     structured = live_server.app.state.service.loaded.structured
-    runner = BlockRunner(tiny.model, max_slots=1, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=1, max_len=256)
     ref = LLMEngine(runner, tiny.tokenizer).generate([Request(
         chat_ids(tiny, messages), torch.ones(8, dtype=torch.bool), SamplingParams(max_tokens=80, temperature=0),
         grammar=structured.matcher(fmt))])[0]

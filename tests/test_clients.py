@@ -29,7 +29,7 @@ DENSE = {"igserve": {"mask": "dense"}}
 def engine_alone(lm, messages, engine: LLMEngine | None = None, **params) -> Request:
     """Reference: the synchronous engine (one slot) with this one chat request, dense."""
     ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-    engine = engine or LLMEngine(BlockRunner(lm.model, max_slots=1, max_len=256), lm.tokenizer)
+    engine = engine or LLMEngine(BlockRunner(lm.model, max_batch=1, max_len=256), lm.tokenizer)
     blocks = 2 * lm.model.config.num_hidden_layers
     return engine.generate([Request(ids, torch.ones(blocks, dtype=torch.bool), SamplingParams(**params))])[0]
 
@@ -155,6 +155,6 @@ def test_lm_eval_local_chat_completions_generates_as_the_engine(real_server, rea
         refs.append(Request(ids, torch.ones(2 * real.model.config.num_hidden_layers, dtype=torch.bool),
                             SamplingParams(max_tokens=gen_kwargs["max_gen_toks"], temperature=0, stop=stop)))
     # one batch (outputs equal each request alone: tests/test_api.py), to spare decode steps
-    LLMEngine(BlockRunner(real.model, max_slots=len(refs), max_len=1024), real.tokenizer).generate(refs)
+    LLMEngine(BlockRunner(real.model, max_batch=len(refs), max_len=1024), real.tokenizer).generate(refs)
     assert [s["resps"][0][0] for s in samples] == [r.text for r in refs]
     assert any(s["resps"][0][0].strip() for s in samples)
