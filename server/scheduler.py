@@ -6,7 +6,9 @@ cache slots are free. A long prompt is prefilled in chunks over several steps, s
 the streams already running for longer than one chunk. The budget is either fixed
 (``max_num_batched_tokens``, decode rows included, as vLLM's) or follows a measured ``StepCost``:
 prefill tokens whose chunk takes at most ``STALL`` times the step's own decode time, so a step that
-prefills is never much longer than one that does not, however many rows decode. While nothing is
+prefills is never much longer than one that does not, however many rows decode; one short prompt
+(``SHORT_PROMPT`` tokens, a chat turn) per step is the exception and goes in whole, ahead of long
+ones, so chat TTFT does not pay for protecting streams from long prompts. While nothing is
 decoding there is no stream to stall, and a step may prefill up to ``idle_budget`` (``IDLE_CHUNK``
 with a ``StepCost``: long enough to run at full speed, short enough that a new arrival waits little).
 Prefill rows of one step are right-padded to the longest chunk, so the budget counts padded
@@ -42,6 +44,7 @@ class Chunk:
 
 STALL = 0.75  # a prefill chunk may add this share of the step's decode time
 MIN_CHUNK = 4  # prefill tokens a step always has room for, so prompts progress under any load
+SHORT_PROMPT = 64  # with a StepCost, one prompt this short per step goes in whole, ahead of long ones
 IDLE_CHUNK = 512  # prefill tokens of a step with nothing decoding: new arrivals wait one such step at most
 
 
@@ -118,8 +121,13 @@ class Scheduler:
     def schedule(self) -> Schedule:
         out = Schedule(decode=[r for r in self.running if not r.prefilling])
         budget = self.prefill_budget(len(out.decode))
+        short = self._short_prompt() if out.decode and self.cost is not None else None
+        if short is not None:  # a chat turn: chunking it would multiply its TTFT for little ITL
+            self._add_chunk(out, short, len(short.prompt_ids))
+            self._admit(out, short)
+            budget -= len(short.prompt_ids)
         for req in self.running:  # prompts part-way through their prefill
-            if req.prefilling and not self._add_chunk(out, req, budget):
+            if req.prefilling and req is not short and not self._add_chunk(out, req, budget):
                 return out
         for req in list(self.waiting):
             if not self.free_slots:
@@ -128,12 +136,22 @@ class Scheduler:
                 continue
             if not self._add_chunk(out, req, budget):
                 break
-            self.waiting.remove(req)
-            req.slot = self.free_slots.pop(0)
-            out.admitted.append(req)
-            self.running.append(req)
+            self._admit(out, req)
         self.running.sort(key=lambda r: r.slot)
         return out
+
+    def _short_prompt(self) -> Request | None:
+        """The first waiting request whose whole prompt is at most SHORT_PROMPT tokens."""
+        if not self.free_slots:
+            return None
+        return next((r for r in self.waiting if not r.held and r.num_computed == 0
+                     and len(r.prompt_ids) <= SHORT_PROMPT), None)
+
+    def _admit(self, out: Schedule, req: Request) -> None:
+        self.waiting.remove(req)
+        req.slot = self.free_slots.pop(0)
+        out.admitted.append(req)
+        self.running.append(req)
 
     def admit(self, request: Request) -> bool:
         """Give a waiting request a free slot outside ``schedule`` (its prompt's K/V are copied in,

@@ -13,7 +13,7 @@ from server import engine as engine_module
 from server.engine import LLMEngine, RequestFailed
 from server.request import Request
 from server.sampling import SamplingParams
-from server.scheduler import IDLE_CHUNK, MIN_CHUNK, STALL, Scheduler, StepCost
+from server.scheduler import IDLE_CHUNK, MIN_CHUNK, SHORT_PROMPT, STALL, Scheduler, StepCost
 
 VOCAB = 49152  # the real tokenizer's, so the engine can detokenise
 BLOCKS = 8
@@ -182,6 +182,31 @@ def test_choices_of_one_prompt_wait_for_its_chunked_prefill_then_copy_it(tokeniz
     assert prefill_rows == 3 + 1  # 40 tokens in 16-token chunks, and the other prompt
     for req in choices + [other]:
         assert req.output_ids == alone(tokenizer, req) and req.finish_reason == "length"
+
+
+def test_a_short_prompt_goes_in_whole_ahead_of_a_long_one():
+    """With a step cost, a chat-sized prompt is not chunked behind a long prompt: it is admitted
+    whole in the next step while the long one keeps its small chunks."""
+    sched = Scheduler(max_batch=4, max_num_batched_tokens=512)
+    sched.cost = StepCost(decode_s=0.020, per_row_s=0.006, chunk_s=0.0, per_token_s=0.0035)
+    stream = make(2)
+    sched.add(stream)
+    for c in sched.schedule().prefill:
+        c.request.num_computed = c.start + c.length
+    long, short = make(400), make(SHORT_PROMPT)
+    sched.add(long)
+    sched.add(short)
+    step = sched.schedule()
+    assert step.decode == [stream] and step.admitted == [short]
+    assert [(c.request, c.length) for c in step.prefill] == [(short, SHORT_PROMPT)]
+    for c in step.prefill:
+        c.request.num_computed = c.start + c.length
+    step = sched.schedule()
+    assert step.admitted == [long] and step.prefill[0].length == sched.cost.prefill_tokens(2)
+    too_long = make(SHORT_PROMPT + 1)
+    sched.add(too_long)
+    step = sched.schedule()  # the long prompt's chunk first; the other is not short and waits
+    assert [c.request for c in step.prefill] == [long] and too_long in sched.waiting
 
 
 def test_decode_rows_run_in_slot_order(tokenizer):
