@@ -68,7 +68,7 @@ def test_engine_adapts_admissions_under_a_backlog_and_never_a_running_request(ti
     """Two slots, threshold 2: a request running before the backlog keeps its mask to the end; the
     ones admitted while 2 or more wait go sparser unless they fixed a budget or max_loss; once the
     queue drains the default is back."""
-    eng = LLMEngine(FakeRunner(slots=2), tiny.tokenizer, router=StubRouter(),
+    eng = LLMEngine(FakeRunner(max_batch=2), tiny.tokenizer, router=StubRouter(),
                     depth=AdaptiveDepth(StubRouter.budgets, 0.125, queue=2))
     seen: dict[int, torch.Tensor] = {}
 
