@@ -148,9 +148,13 @@ class Scheduler:
                      and len(r.prompt_ids) <= SHORT_PROMPT), None)
 
     def _admit(self, out: Schedule, req: Request) -> None:
+        self._take_slot(req)
+        out.admitted.append(req)
+
+    def _take_slot(self, req: Request) -> None:
+        """Move a waiting request into the lowest free slot (the caller keeps slot order)."""
         self.waiting.remove(req)
         req.slot = self.free_slots.pop(0)
-        out.admitted.append(req)
         self.running.append(req)
 
     def admit(self, request: Request) -> bool:
@@ -158,9 +162,7 @@ class Scheduler:
         not prefilled); False when every slot is taken."""
         if not self.free_slots:
             return False
-        self.waiting.remove(request)
-        request.slot = self.free_slots.pop(0)
-        self.running.append(request)
+        self._take_slot(request)
         self.running.sort(key=lambda r: r.slot)
         return True
 
