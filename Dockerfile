@@ -27,7 +27,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     IGSERVE_CACHE=/var/cache/igserve \
     IGSERVE_MODEL=smollm2-135m-instruct \
-    IGSERVE_BANK=masks/banks/smollm2-135m-instruct-s0.25.json \
+    IGSERVE_BANK=masks/banks/smollm2-135m-instruct-routed.json \
     IGSERVE_DEVICE=${TORCH_VARIANT} \
     PATH=/app/.venv/bin:$PATH
 

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from masks.router_bank import build_routed_bank
 
-    saved = {"dense": 0.0, **{k: runner.cost.compute_saved(torch.tensor(p["mask"])) for k, p in pool.items()}}
+    saved = {"dense": 0.0, **{k: runner.cost.compute_saved(torch.as_tensor(p["mask"])) for k, p in pool.items()}}
     bank = build_routed_bank(source, pool, docs, labels, budgets, saved, args)
     bank.training["labels"] = {"documents": len(docs), "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,
                                "masks": len(pool) + 1, "seconds": label_seconds}

@@ -31,7 +31,7 @@ METHODS = ("learned", "centroid")
 @dataclass(frozen=True)
 class Route:
     mask_id: str
-    distance: float  # cosine distance (1 - cos) to the nearest centroid
+    distance: float | None  # cosine distance (1 - cos) to the nearest centroid; None: no router ran
     router_ms: float  # time spent routing (for a batch: the whole batch)
     budget: float = 0.0  # sparsity of the chosen mask (0 for dense)
     fallback: bool = False  # out of distribution: the budget's global mask was used

@@ -158,7 +158,8 @@ def _depth_state(loaded) -> dict:
     state = {"default_budget": loaded.router.default_budget}
     if depth is not None:
         state["adaptive_depth"] = {"active": depth.active, "budget": depth.sparse, "engage_at": depth.engage,
-                                   "release_below": depth.release, "adapted": depth.adapted}
+                                   "release_below": depth.release, "adapted": depth.adapted,
+                                   "mask": depth.shared_mask[0] if depth.shared_mask else "routed"}
     return state
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from server import models
 
-DEFAULT_BANK = "masks/banks/smollm2-135m-instruct-s0.25.json"
+DEFAULT_BANK = "masks/banks/smollm2-135m-instruct-routed.json"
 ROUTERS = ("learned", "centroid")  # router.router.METHODS (not imported here: that loads torch)
 
 
@@ -33,6 +33,12 @@ class ServeConfig:
                                        "next sparser budget (README, load-adaptive depth)")
     adaptive_depth_queue: int = _opt(8, "with --adaptive-depth: waiting requests at which admissions go sparser; "
                                         "back to the default budget once fewer than half as many wait")
+    adaptive_depth_budget: float | None = _opt(None, "with --adaptive-depth: the budget admissions take under "
+                                                     "load; one the bank holds, sparser than the default "
+                                                     "(default: the bank's next budget above the default)")
+    adaptive_depth_mask: str = _opt("global", "with --adaptive-depth: the mask an adapted request runs: the budget's "
+                                              "global mask, shared by every adapted row so a batch skips the whole "
+                                              "budget, or a routed one", choices=("global", "routed"))
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1 (default: $IGSERVE_API_KEY)",

@@ -3,9 +3,13 @@
 The engine calls ``AdaptiveDepth.admit`` once per step with the requests that step admits and the
 number still waiting after them. When that backlog reaches ``queue`` the policy engages and every
 admission that is routed and fixed no budget of its own (no ``igserve.budget``, no ``max_loss``, no
-forced mask) gets ``sparse``, the bank's next budget above the default; it releases once fewer than
+forced mask) gets ``sparse`` (``--adaptive-depth-budget``; default: the bank's next budget above
+the default); it releases once fewer than
 half of ``queue`` wait (hysteresis, so a backlog hovering at the threshold does not flip the budget
-every step). Only admissions change: a running request keeps the mask it was admitted with, since
+every step). By default an adapted request runs that budget's global mask (``--adaptive-depth-mask
+global``), not a routed one: under load the rows of a decode step are all adapted, and a block is
+skipped only when every row skips it, so one shared mask skips the whole budget while routed masks
+share few of their skipped blocks (README, load-adaptive depth). Only admissions change: a running request keeps the mask it was admitted with, since
 its skipped attention blocks hold no K/V for the tokens it has already seen.
 """
 
@@ -13,18 +17,33 @@ from __future__ import annotations
 
 import logging
 
+from router.router import Route
+
 log = logging.getLogger("igserve.depth")
 
 
 class AdaptiveDepth:
-    def __init__(self, budgets: list[float], default: float, queue: int):
+    def __init__(self, budgets: list[float], default: float, queue: int, sparse: float | None = None,
+                 global_masks: dict[float, tuple[str, object]] | None = None):
+        """``global_masks``: {budget: (mask id, bool tensor)}; with it, adapted requests run the
+        sparse budget's global mask instead of being routed."""
         if queue < 1:
             raise ValueError(f"--adaptive-depth-queue must be at least 1, got {queue}")
+        held = ", ".join(f"{b:g}" for b in sorted(budgets))
         sparser = sorted(b for b in budgets if b > default + 1e-9)
         if not sparser:
             raise ValueError(f"--adaptive-depth needs a budget sparser than the default {default:g}; the mask bank "
-                             f"holds {', '.join(f'{b:g}' for b in sorted(budgets))}")
-        self.default, self.sparse = default, sparser[0]
+                             f"holds {held}")
+        if sparse is not None and not any(abs(sparse - b) < 1e-9 for b in sparser):
+            raise ValueError(f"--adaptive-depth-budget {sparse:g} is not a budget of the mask bank sparser than the "
+                             f"default {default:g} (the bank holds {held})")
+        self.default = default
+        self.sparse = sparser[0] if sparse is None else next(b for b in sparser if abs(sparse - b) < 1e-9)
+        self.shared_mask = None
+        if global_masks is not None:
+            if self.sparse not in global_masks:
+                raise ValueError(f"--adaptive-depth-mask global: budget {self.sparse:g} has no global mask")
+            self.shared_mask = global_masks[self.sparse]
         self.engage, self.release = queue, (queue + 1) // 2  # on at >= queue waiting, off below half of it
         self.active = False
         self.adapted = 0  # requests admitted at the sparser budget so far
@@ -46,5 +65,8 @@ class AdaptiveDepth:
         changed = [r for r in admitted if r.mask is None and r.budget is None and r.max_loss is None]
         for req in changed:
             req.budget, req.adapted = self.sparse, True
+            if self.shared_mask is not None:  # bound here: the router is not asked
+                mask_id, req.mask = self.shared_mask
+                req.mask_id, req.route = mask_id, Route(mask_id, None, 0.0, self.sparse)
         self.adapted += len(changed)
         return changed

@@ -87,6 +87,8 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     lm = models.load(cfg.model, device=cfg.device, dtype=lm_dtype, weights=weights)
     log.info("model %s: %s weights, %s activations on %s", lm.name, weights, dtype_name, cfg.device)
     runner = BlockRunner(lm.model, max_batch=cfg.max_batch, max_len=cfg.max_model_len)
+    if cfg.adaptive_depth_budget is not None and not cfg.adaptive_depth:
+        raise BankError("--adaptive-depth-budget needs --adaptive-depth")
     path = bank_path(cfg.bank)
     bank, router, depth = None, None, None
     if path is None:
@@ -102,8 +104,10 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
         encoder = load_encoder(cfg.device, dtype)
         try:
             router = Router(bank, encoder, method=cfg.router, default_budget=cfg.budget)
-            depth = AdaptiveDepth(router.budgets, router.default_budget, cfg.adaptive_depth_queue) \
-                if cfg.adaptive_depth else None
+            shared = {b: (bank.global_id(b), router.masks[bank.global_id(b)]) for b in router.budgets
+                      if bank.global_id(b) is not None} if cfg.adaptive_depth_mask == "global" else None
+            depth = AdaptiveDepth(router.budgets, router.default_budget, cfg.adaptive_depth_queue,
+                                  cfg.adaptive_depth_budget, shared) if cfg.adaptive_depth else None
         except ValueError as exc:  # BankError included
             raise BankError(f"mask bank {path}: {exc}") from None
         log.info("mask bank %s: %d clusters, budgets %s (default %g), %s router%s", path, len(bank.mask_ids),

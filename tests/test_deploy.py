@@ -463,6 +463,11 @@ def check_dockerfile(dockerfile: str, makefile: str, readme: str | None, root: P
             errors.append(f"Dockerfile: {var}={env.get(var)!r} differs from the Makefile's "
                           f"{make_var}={makefile_default(makefile, make_var)!r}")
     bank = env.get("IGSERVE_BANK")
+    from server.config import DEFAULT_BANK
+
+    if makefile_default(makefile, "BANK") != DEFAULT_BANK:
+        errors.append(f"Makefile: BANK={makefile_default(makefile, 'BANK')!r} differs from igserve serve's "
+                      f"default bank {DEFAULT_BANK!r}")
     if bank and not (root / bank).is_file():
         errors.append(f"Dockerfile: IGSERVE_BANK={bank} does not exist in the repository")
     return errors
@@ -597,6 +602,9 @@ REQUIRED_PANELS = {
     "requests per mask": r"by \(mask\).*igserve_requests_by_mask_total",
     "queue depth": r"igserve_num_requests_waiting",
     "errors by type": r"by \(error_type\).*igserve_request_errors_total",
+    "requests per budget": r"by \(budget\).*igserve_requests_by_budget_total",
+    "adaptive-depth admissions": r"rate\(igserve_adaptive_depth_requests_total",
+    "OOD fallbacks": r"rate\(igserve_router_fallbacks_total",
 }
 
 

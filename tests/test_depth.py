@@ -12,6 +12,7 @@ import torch
 from conftest import TINY_BANK_TEXTS, metric_value
 from test_scheduler import BLOCKS, FakeRunner
 
+from masks.bank import MaskBank
 from router.router import Route
 from server.depth import AdaptiveDepth
 from server.engine import LLMEngine
@@ -29,6 +30,13 @@ def test_policy_engages_at_the_threshold_and_releases_below_half_of_it():
         AdaptiveDepth([0.125, 0.25], 0.25, queue=4)
     with pytest.raises(ValueError, match="at least 1"):
         AdaptiveDepth([0.125, 0.25], 0.125, queue=0)
+
+
+def test_the_budget_under_load_can_be_named():
+    assert AdaptiveDepth([0.0667, 0.1, 0.25], 0.0667, queue=4, sparse=0.25).sparse == 0.25  # skips 0.1
+    for bad in (0.0667, 0.05, 0.2):  # the default itself, denser than it, not in the bank
+        with pytest.raises(ValueError, match=f"--adaptive-depth-budget {bad:g} is not a budget"):
+            AdaptiveDepth([0.0667, 0.1, 0.25], 0.0667, queue=4, sparse=bad)
 
 
 def test_only_admissions_that_fixed_nothing_change():
@@ -100,19 +108,46 @@ def test_engine_adapts_admissions_under_a_backlog_and_never_a_running_request(ti
     assert not last.adapted and last.mask_id == "m@0.125"
 
 
+def test_a_global_mask_under_load_is_bound_without_asking_the_router(tiny):
+    """With global masks (the default of igserve serve) an adapted request runs the sparse budget's
+    global mask, bound at admission: every adapted row of a step shares it, and the router sees
+    only the requests that were not adapted."""
+    router = StubRouter()
+    shared = torch.tensor([j not in (2, 3) for j in range(BLOCKS)])
+    asked = []
+    route = router.route
+    router.route = lambda texts, budgets, losses: asked.extend(budgets) or route(texts, budgets, losses)
+    eng = LLMEngine(FakeRunner(max_batch=2), tiny.tokenizer, router=router,
+                    depth=AdaptiveDepth(StubRouter.budgets, 0.125, queue=2, global_masks={0.25: ("g@0.25", shared)}))
+    reqs = [routed(3, 3) for _ in range(6)]
+    eng.generate(reqs)
+    adapted = [r for r in reqs if r.adapted]
+    assert adapted and len(adapted) < len(reqs)
+    for r in adapted:
+        assert r.mask_id == "g@0.25" and torch.equal(r.mask, shared) and r.route.budget == 0.25
+        assert r.route.router_ms == 0.0 and r.route.distance is None
+    assert asked == [None] * (len(reqs) - len(adapted))  # the router routed only the others
+    with pytest.raises(ValueError, match="budget 0.25 has no global mask"):
+        AdaptiveDepth(StubRouter.budgets, 0.125, queue=2, global_masks={0.125: ("g@0.125", shared)})
+
+
 # ---------------------------------------------------------------------------- through the API
-def test_api_admits_at_the_sparser_budget_while_requests_wait(serve_tiny, routed_bank_file, tiny):
+@pytest.mark.parametrize("shared", ["global", "routed"])
+def test_api_admits_at_the_sparser_budget_while_requests_wait(serve_tiny, routed_bank_file, tiny, shared):
     """Default budget 0.125, threshold 2, 4 slots: four long streams fill the slots one after the
     other (each admitted with nothing waiting), then six short requests queue. The streams keep
     the mask they started with in every chunk; short requests admitted while 2 or more wait run at
     0.25 and say so; one that fixed its budget does not; the counter counts the adapted ones; an
-    idle server is back at 0.125."""
-    server = serve_tiny(bank=str(routed_bank_file), budget=0.125, adaptive_depth=True, adaptive_depth_queue=2)
+    idle server is back at 0.125. Adapted requests run the 0.25 global mask (``shared`` global) or a
+    routed 0.25 mask."""
+    server = serve_tiny(bank=str(routed_bank_file), budget=0.125, adaptive_depth=True, adaptive_depth_queue=2,
+                        adaptive_depth_mask=shared)
+    global_id = MaskBank.load(routed_bank_file).global_id(0.25)
     client = server.client()
     health = httpx.get(server.base_url + "/health").json()
     assert health["default_budget"] == 0.125
     assert health["adaptive_depth"] == {"active": False, "budget": 0.25, "engage_at": 2, "release_below": 1,
-                                        "adapted": 0}
+                                        "adapted": 0, "mask": global_id if shared == "global" else "routed"}
     before = metric_value(server.metrics(), "igserve_adaptive_depth_requests_total")
     prompt = TINY_BANK_TEXTS["math"]
 
@@ -145,6 +180,11 @@ def test_api_admits_at_the_sparser_budget_while_requests_wait(serve_tiny, routed
         assert all(i["budget"] == 0.125 and not i["adaptive"] and i["router"] == "learned" for i in infos)
     adapted = [i for i in short_infos if i["adaptive"]]
     assert adapted and all(i["budget"] == 0.25 and i["mask"].endswith("@0.25") for i in adapted)
+    if shared == "global":
+        assert all(i["mask"] == global_id and i["router_ms"] == 0 and i["distance"] is None and i["router"] is None
+                   for i in adapted)
+    else:
+        assert all(i["router"] == "learned" and i["distance"] is not None for i in adapted)
     assert all(i["budget"] == 0.125 and i["mask"].endswith("@0.125") for i in short_infos if not i["adaptive"])
     assert not short_infos[3]["adaptive"]  # fixed its budget
     assert metric_value(server.metrics(), "igserve_adaptive_depth_requests_total") == before + len(adapted)

@@ -92,6 +92,8 @@ def test_learned_router_on_a_format_1_bank_is_a_startup_error(tiny_model_dir, ti
     ({"budget": 0.5}, "default budget: budget 0.5 is not in this mask bank; available: 0.125, 0.25"),
     ({"adaptive_depth": True}, "needs a budget sparser than the default 0.25"),
     ({"budget": 0.125, "adaptive_depth": True, "adaptive_depth_queue": 0}, "at least 1"),
+    ({"budget": 0.125, "adaptive_depth": True, "adaptive_depth_budget": 0.125}, "--adaptive-depth-budget 0.125 is not"),
+    ({"budget": 0.125, "adaptive_depth_budget": 0.25}, "--adaptive-depth-budget needs --adaptive-depth"),
 ])
 def test_options_the_bank_cannot_serve_are_startup_errors(tiny_model_dir, routed_bank_file, overrides, match):
     cfg = config.ServeConfig(model=str(tiny_model_dir), bank=str(routed_bank_file), max_model_len=256,
