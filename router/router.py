@@ -37,6 +37,11 @@ class Route:
     fallback: bool = False  # out of distribution: the budget's global mask was used
     predicted_loss: float | None = None  # learned router: predicted excess NLL per token (nats)
 
+    @property
+    def by_router(self) -> bool:
+        """False for a mask bound without routing (adaptive depth's global mask)."""
+        return self.distance is not None
+
 
 def chat_routing_text(messages: list[dict]) -> str:
     """What a chat request is routed on: the last user turn, then the system prompt.

@@ -4,13 +4,15 @@ The engine calls ``AdaptiveDepth.admit`` once per step with the requests that st
 number still waiting after them. When that backlog reaches ``queue`` the policy engages and every
 admission that is routed and fixed no budget of its own (no ``igserve.budget``, no ``max_loss``, no
 forced mask) gets ``sparse`` (``--adaptive-depth-budget``; default: the bank's next budget above
-the default); it releases once fewer than
-half of ``queue`` wait (hysteresis, so a backlog hovering at the threshold does not flip the budget
-every step). By default an adapted request runs that budget's global mask (``--adaptive-depth-mask
-global``), not a routed one: under load the rows of a decode step are all adapted, and a block is
-skipped only when every row skips it, so one shared mask skips the whole budget while routed masks
-share few of their skipped blocks (README, load-adaptive depth). Only admissions change: a running request keeps the mask it was admitted with, since
-its skipped attention blocks hold no K/V for the tokens it has already seen.
+the default); it releases once fewer than half of ``queue`` wait (hysteresis, so a backlog hovering
+at the threshold does not flip the budget every step).
+
+By default an adapted request runs that budget's global mask (``--adaptive-depth-mask global``),
+not a routed one: under load nearly every row of a decode step is adapted, and a block is skipped
+only when every row skips it, so one shared mask skips the whole budget while routed masks share
+few of their skipped blocks (README, load-adaptive depth). Only admissions change: a running
+request keeps the mask it was admitted with, since its skipped attention blocks hold no K/V for
+the tokens it has already seen.
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ class ServingMetrics:
         self.skip.observe(skip_ratio)
         self.saved.observe(compute_saved)
         if req.route is not None:
-            self.router.observe(req.route.router_ms / 1000)
+            if req.route.by_router:  # a mask bound without the router took no routing time
+                self.router.observe(req.route.router_ms / 1000)
             REQUESTS_BY_BUDGET.labels(self.model_name, f"{req.route.budget:g}").inc()
             if req.route.fallback:
                 ROUTER_FALLBACKS.labels(self.model_name).inc()

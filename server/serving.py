@@ -419,9 +419,8 @@ class Reply:
                                     distance=route.distance if route else None,
                                     budget=route.budget if route else None, fallback=bool(route and route.fallback),
                                     predicted_loss=route.predicted_loss if route else None,
-                                    # no distance: bound without the router (adaptive depth's global mask)
-                                    router=self.loaded.router.method if route and route.distance is not None
-                                    else None, adaptive=req.adapted)
+                                    router=self.loaded.router.method if route and route.by_router else None,
+                                    adaptive=req.adapted)
 
     def usage(self, reqs: list[EngineRequest] | None = None) -> protocol.Usage:
         """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""

@@ -149,6 +149,7 @@ def test_api_admits_at_the_sparser_budget_while_requests_wait(serve_tiny, routed
     assert health["adaptive_depth"] == {"active": False, "budget": 0.25, "engage_at": 2, "release_below": 1,
                                         "adapted": 0, "mask": global_id if shared == "global" else "routed"}
     before = metric_value(server.metrics(), "igserve_adaptive_depth_requests_total")
+    routed_before = metric_value(server.metrics(), "igserve_router_latency_seconds_count")
     prompt = TINY_BANK_TEXTS["math"]
 
     def long_stream(started):
@@ -190,5 +191,7 @@ def test_api_admits_at_the_sparser_budget_while_requests_wait(serve_tiny, routed
     assert metric_value(server.metrics(), "igserve_adaptive_depth_requests_total") == before + len(adapted)
     idle = short(None)
     assert not idle["adaptive"] and idle["budget"] == 0.125
+    routed_now = metric_value(server.metrics(), "igserve_router_latency_seconds_count") - routed_before
+    assert routed_now == 4 + 6 + 1 - (len(adapted) if shared == "global" else 0)  # the router's own requests
     health = httpx.get(server.base_url + "/health").json()
     assert health["adaptive_depth"]["active"] is False and health["adaptive_depth"]["adapted"] == len(adapted)
