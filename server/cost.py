@@ -28,11 +28,7 @@ def _params(module: torch.nn.Module) -> int:
 
 
 def _bytes(module: torch.nn.Module) -> int:
-    """Bytes of the weights a decode step reads (a module's ``prefill_only`` buffers are left out)."""
-    tensors = {id(t): t for t in module.parameters()}
-    for m in module.modules():
-        skip = getattr(m, "prefill_only", ())
-        tensors.update({id(t): t for name, t in m.named_buffers(recurse=False) if t is not None and name not in skip})
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers()) if t is not None}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

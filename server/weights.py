@@ -127,14 +127,7 @@ class _WeightOnlyLinear(torch.nn.Module):
 
 
 class Int4Linear(_WeightOnlyLinear):
-    """y = x W^T (+ b) with W in int4 groups of 32.
-
-    From ``DENSE_ROWS`` rows (prefill chunks) a plain matmul on the groups' exact dequantisation
-    (``dense``, kept in the activation dtype) beats the int4 kernel, which dequantises per row; on
-    CPU only (the CUDA kernel is used for every size)."""
-
-    DENSE_ROWS = 32
-    prefill_only = ("dense",)  # not read by decode (server/cost.py counts what decode reads)
+    """y = x W^T (+ b) with W in int4 groups of 32."""
 
     def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu"):
         super().__init__()
@@ -153,17 +146,10 @@ class Int4Linear(_WeightOnlyLinear):
         self.register_buffer("scales_zeros", torch.stack([groups.d, zero], -1).transpose(0, 1).contiguous().to(
             device=device, dtype=dtype))  # [K/32, N, 2]
         self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
-        self.register_buffer("dense", None if self.cuda_kernel else groups.dequantize().to(device))
 
     @property
     def kernel_dtype(self) -> torch.dtype:
         return self.scales_zeros.dtype
-
-    def forward(self, x):
-        if self.dense is None or x.numel() < self.DENSE_ROWS * self.in_features:
-            return super().forward(x)
-        bias = None if self.bias is None else self.bias.to(self.dense.dtype)
-        return F.linear(x.to(self.dense.dtype), self.dense, bias).to(x.dtype)
 
     def _matmul(self, x2):
         if self.cuda_kernel:
@@ -173,15 +159,14 @@ class Int4Linear(_WeightOnlyLinear):
     @classmethod
     def cat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
         """Concatenate along N (the packed layout is blocks of 16 rows, so rows stack)."""
-        return _stacked(cls, parts, {"packed": 0, "scales_zeros": 1, "bias": 0, "dense": 0})
+        return _stacked(cls, parts, {"packed": 0, "scales_zeros": 1, "bias": 0})
 
     def dequantized(self) -> torch.Tensor:
-        """The float weight [N, K] the int4 kernel computes with (its scales/zeros' precision; from
-        ``DENSE_ROWS`` rows the layer uses the exact dequantisation ``dense``)."""
+        """The float weight [N, K] this layer computes with (its scales/zeros' precision)."""
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.packed.device)
         bias, self.bias = self.bias, None
         try:
-            return super().forward(eye).T.float()  # the int4 kernel, not the dense copy
+            return self.forward(eye).T.float()
         finally:
             self.bias = bias
 
@@ -284,11 +269,11 @@ def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype = KERNEL_DTYPE
 def pin_kernel_dtype(model: torch.nn.Module, dtype: torch.dtype = KERNEL_DTYPE) -> torch.nn.Module:
     """Put the quantised modules' scales (and biases) back in the kernel dtype after a
     ``model.to(activation dtype)``: float32 activations around a bf16 kernel is the fast path on
-    CPUs without native bf16 arithmetic. Prefill-only copies stay in the activation dtype."""
+    CPUs without native bf16 arithmetic."""
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear)):
             for name, buf in module.named_buffers(recurse=False):
-                if buf is not None and buf.is_floating_point() and name not in getattr(module, "prefill_only", ()):
+                if buf is not None and buf.is_floating_point():
                     setattr(module, name, buf.to(dtype))
     return model
 
