@@ -36,11 +36,11 @@ class AdaptiveDepth:
         if not sparser:
             raise ValueError(f"--adaptive-depth needs a budget sparser than the default {default:g}; the mask bank "
                              f"holds {held}")
-        if sparse is not None and not any(abs(sparse - b) < 1e-9 for b in sparser):
+        named = sparser if sparse is None else [b for b in sparser if abs(sparse - b) < 1e-9]
+        if not named:
             raise ValueError(f"--adaptive-depth-budget {sparse:g} is not a budget of the mask bank sparser than the "
                              f"default {default:g} (the bank holds {held})")
-        self.default = default
-        self.sparse = sparser[0] if sparse is None else next(b for b in sparser if abs(sparse - b) < 1e-9)
+        self.default, self.sparse = default, named[0]
         self.shared_mask = None
         if global_masks is not None:
             if self.sparse not in global_masks:

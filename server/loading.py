@@ -104,10 +104,11 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
         encoder = load_encoder(cfg.device, dtype)
         try:
             router = Router(bank, encoder, method=cfg.router, default_budget=cfg.budget)
-            shared = {b: (bank.global_id(b), router.masks[bank.global_id(b)]) for b in router.budgets
-                      if bank.global_id(b) is not None} if cfg.adaptive_depth_mask == "global" else None
-            depth = AdaptiveDepth(router.budgets, router.default_budget, cfg.adaptive_depth_queue,
-                                  cfg.adaptive_depth_budget, shared) if cfg.adaptive_depth else None
+            if cfg.adaptive_depth:
+                shared = None if cfg.adaptive_depth_mask != "global" else {
+                    b: (g, router.masks[g]) for b in router.budgets if (g := bank.global_id(b)) is not None}
+                depth = AdaptiveDepth(router.budgets, router.default_budget, cfg.adaptive_depth_queue,
+                                      cfg.adaptive_depth_budget, shared)
         except ValueError as exc:  # BankError included
             raise BankError(f"mask bank {path}: {exc}") from None
         log.info("mask bank %s: %d clusters, budgets %s (default %g), %s router%s", path, len(bank.mask_ids),
