@@ -11,11 +11,11 @@ FROM python:3.11-slim
 
 ARG TORCH_VARIANT=cpu
 
-# make runs the install steps; nothing else is needed (the wheels are prebuilt). Unpinned on
-# purpose: Debian security updates replace old versions in the suite.
+# make runs the install steps; g++ builds igserve's CPU kernels (server/csrc) at `make model`.
+# Unpinned on purpose: Debian security updates replace old versions in the suite.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make \
+    && apt-get install -y --no-install-recommends make g++ \
     && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 1000 igserve \

@@ -205,7 +205,7 @@ def run(args) -> int:
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags()},
         "config": {"clients": client_counts, "requests_per_client": args.requests_per_client,
                    "max_tokens": args.max_tokens, "ignore_eos": True, "prompts": str(args.prompts),
-                   "igserve": {"weights": health.get("weights"), "dtype": health.get("dtype"),
+                   "igserve": {"weights": health.get("weights"), "kernels": health.get("kernels"), "dtype": health.get("dtype"),
                                "routing": health.get("routing"), "bank": args.bank},
                    "llama_server": "-t 2 --parallel 16 --threads-http 40 (loopback)",
                    "llama_cpp_source": _source_tree(root).parent.name if formats else None},

@@ -123,6 +123,7 @@ def run(args) -> int:
         "cpu": wf.cpu_model(), "cpu_flags": wf.cpu_flags(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "auto_weights": wf.auto_format(),
+        "kernels": {fmt: wf.kernels(lm.model) for fmt, lm in lms.items()},
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

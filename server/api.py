@@ -128,7 +128,7 @@ def _add_operations_routes(app: FastAPI, service: OpenAIServing) -> None:
         loaded = service.loaded
         body = {"status": service.status if service.status != "ok" or service.healthy else "failed"}
         if loaded is not None:
-            body.update(model=loaded.name, dtype=loaded.dtype, weights=loaded.weights,
+            body.update(model=loaded.name, dtype=loaded.dtype, weights=loaded.weights, kernels=loaded.kernels,
                         routing="ig" if loaded.routing else "dense",
                         router=loaded.router.method if loaded.router else None, **_depth_state(loaded),
                         masks=list(loaded.masks), engine_alive=loaded.engine.alive,

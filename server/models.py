@@ -206,7 +206,8 @@ def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dt
         groups = {}
         if weights == "int4" and name_or_path in PACKAGED_MODELS:
             groups = wf.read_gguf_q4_1(_packaged_gguf(PACKAGED_MODELS[name_or_path]), config)
-        wf.quantize(model, weights, groups=groups, device=device)  # from the fp32 weights
+        wf.quantize(model, weights, groups=groups, device=device,  # from the fp32 weights
+                    native=wf.native_kernels(device, dtype))
         wf.pin_kernel_dtype(model.to(device=device, dtype=dtype))
     elif weights in ("fp32", "bf16", "fp16"):
         model.to(device=device, dtype=dtype)

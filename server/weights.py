@@ -10,8 +10,11 @@
 * The tied embedding / lm_head (Q8_0 in the GGUF) is an int8 per-channel lm_head in both
   quantised formats; the embedding lookup stays a table in the activation dtype.
 
-Norms, rotary, attention and the KV cache run in the activation dtype. CUDA paths (torch's
-tinygemm int4 kernel; int8 as a dequantising matmul) are untested.
+Kernels: with float32 activations on a CPU that has AVX2/FMA/F16C (``native``), both formats run
+igserve's own kernels (server/cpu_kernels.py), which compute in float32 on the exact stored
+weights: int4 keeps d and m in fp16 as the GGUF does. Otherwise torch's kernels run in bfloat16
+(the scales' dtype). Norms, rotary, attention and the KV cache run in the activation dtype. CUDA
+paths (torch's tinygemm int4 kernel; int8 as a dequantising matmul) are untested.
 """
 
 from __future__ import annotations
@@ -127,15 +130,25 @@ class _WeightOnlyLinear(torch.nn.Module):
 
 
 class Int4Linear(_WeightOnlyLinear):
-    """y = x W^T (+ b) with W in int4 groups of 32."""
+    """y = x W^T (+ b) with W in int4 groups of 32; ``native``: igserve's float32 CPU kernel on the
+    nibbles and fp16 d, m (server/cpu_kernels.py), else torch's int4 kernel in ``dtype``."""
 
-    def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu"):
+    def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu",
+                 native: bool = False):
         super().__init__()
         n, k = groups.q.shape
         self.in_features, self.out_features = k, n
         self.cuda_kernel = str(device).startswith("cuda")
+        self.native = native
         if n % 16:
             raise ValueError(f"int4 needs out_features divisible by 16, got {n}")
+        if native:
+            from server import cpu_kernels
+
+            self.register_buffer("qs", cpu_kernels.pack_q4(groups.q))
+            self.register_buffer("dm", cpu_kernels.pack_dm(groups.d, groups.m))
+            self.register_buffer("bias", None if bias is None else bias.detach().float())
+            return
         if self.cuda_kernel:  # untested: tinygemm wants two nibbles per byte, high nibble first
             q = groups.q.to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(device), 8)
@@ -149,20 +162,31 @@ class Int4Linear(_WeightOnlyLinear):
 
     @property
     def kernel_dtype(self) -> torch.dtype:
-        return self.scales_zeros.dtype
+        return torch.float32 if self.native else self.scales_zeros.dtype
 
     def _matmul(self, x2):
+        if self.native:
+            from server import cpu_kernels
+
+            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm)
         if self.cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
 
     @classmethod
     def cat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
-        """Concatenate along N (the packed layout is blocks of 16 rows, so rows stack)."""
+        """Concatenate along N (the packed layouts are whole rows or blocks of 16 rows, so rows stack)."""
+        if parts[0].native:
+            return _stacked(cls, parts, {"qs": 0, "dm": 0, "bias": 0})
         return _stacked(cls, parts, {"packed": 0, "scales_zeros": 1, "bias": 0})
 
     def dequantized(self) -> torch.Tensor:
         """The float weight [N, K] this layer computes with (its scales/zeros' precision)."""
+        if self.native:
+            from server import cpu_kernels
+
+            d, m = cpu_kernels.unpack_dm(self.dm)
+            return Q4Groups(cpu_kernels.unpack_q4(self.qs), d, m).dequantize()
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.packed.device)
         bias, self.bias = self.bias, None
         try:
@@ -180,8 +204,11 @@ class Int8Linear(_WeightOnlyLinear):
 
     DENSE_ROWS = 32
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu"):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu",
+                 native: bool = False):
         super().__init__()
+        self.native = native
+        dtype = torch.float32 if native else dtype
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
         scale = w.abs().amax(1).clamp(min=1e-12) / 127
@@ -194,6 +221,10 @@ class Int8Linear(_WeightOnlyLinear):
         return self.scales.dtype
 
     def _matmul(self, x2):
+        if self.native:  # one kernel for every row count (server/cpu_kernels.py)
+            from server import cpu_kernels
+
+            return cpu_kernels.i8_linear(x2.contiguous(), self.weight, self.scales)
         if x2.is_cuda:  # untested: dequantising matmul
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if x2.shape[0] >= self.DENSE_ROWS:
@@ -244,10 +275,10 @@ def fuse(linears: list[torch.nn.Module]) -> torch.nn.Module:
 
 # ---------------------------------------------------------------------------- conversion
 def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype = KERNEL_DTYPE,
-             groups: dict[str, Q4Groups] | None = None, device="cpu") -> torch.nn.Module:
+             groups: dict[str, Q4Groups] | None = None, device="cpu", native: bool = False) -> torch.nn.Module:
     """Replace the decoder's linears (and the lm_head) with ``fmt`` modules, in place; their
-    kernels run in ``dtype``. ``groups``: Q4_1 groups read from a GGUF (int4 only); missing
-    linears are quantised here."""
+    kernels run in ``dtype``, or igserve's float32 CPU kernels with ``native``. ``groups``: Q4_1
+    groups read from a GGUF (int4 only); missing linears are quantised here."""
     if fmt not in ("int8", "int4"):
         raise ValueError(f"not a quantised format: {fmt!r}")
     groups = groups or {}
@@ -256,13 +287,13 @@ def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype = KERNEL_DTYPE
             continue
         if fmt == "int4":
             g = groups.get(name) or quantize_q4_1(module.weight)
-            new = Int4Linear(g, module.bias, dtype, device)
+            new = Int4Linear(g, module.bias, dtype, device, native)
         else:
-            new = Int8Linear(module.weight, module.bias, dtype, device)
+            new = Int8Linear(module.weight, module.bias, dtype, device, native)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     head = model.lm_head
-    model.lm_head = Int8Linear(head.weight, head.bias, dtype, device)
+    model.lm_head = Int8Linear(head.weight, head.bias, dtype, device, native)
     return model
 
 
@@ -271,11 +302,24 @@ def pin_kernel_dtype(model: torch.nn.Module, dtype: torch.dtype = KERNEL_DTYPE) 
     ``model.to(activation dtype)``: float32 activations around a bf16 kernel is the fast path on
     CPUs without native bf16 arithmetic."""
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8Linear)):
+        if isinstance(module, (Int4Linear, Int8Linear)) and not module.native:
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.is_floating_point():
                     setattr(module, name, buf.to(dtype))
     return model
+
+
+def native_kernels(device: str, dtype: torch.dtype) -> bool:
+    """Whether quantised linears run igserve's CPU kernels: float32 activations on a CPU that has them."""
+    from server import cpu_kernels
+
+    return str(device) == "cpu" and dtype == torch.float32 and cpu_kernels.available()
+
+
+def kernels(model: torch.nn.Module) -> str:
+    """Which kernels the linears run (in /health and reports): "igserve-avx2" or "torch"."""
+    native = any(getattr(m, "native", False) for m in model.modules() if isinstance(m, _WeightOnlyLinear))
+    return "igserve-avx2" if native else "torch"
 
 
 def activation_dtype(fmt: str, device: str = "cpu") -> torch.dtype:

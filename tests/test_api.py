@@ -70,6 +70,12 @@ def test_models_and_health(live_server, client, model, tiny_bank):
     assert health.status_code == 200
     assert health.json()["status"] == "ok" and health.json()["routing"] == "ig"
     assert health.json()["masks"] == tiny_bank.all_mask_ids()
+    from server import cpu_kernels
+
+    body = health.json()
+    expect = "igserve-avx2" if body["weights"] in ("int4", "int8") and body["dtype"] == "float32" \
+        and cpu_kernels.available() else "torch"
+    assert body["kernels"] == expect
 
 
 def test_forced_masks_equal_the_engine_alone(client, model, tiny, tiny_bank):
@@ -597,7 +603,8 @@ def test_real_model_chat_matches_hf_generate(real, dtype):
 
     server = LiveServer(ServeConfig(model=real.name, bank=None, max_batch=2, max_model_len=512, dtype=dtype)).start()
     try:
-        assert httpx.get(server.base_url + "/health").json()["dtype"] == dtype
+        health = httpx.get(server.base_url + "/health").json()
+        assert health["dtype"] == dtype and health["kernels"] == "torch"
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         r = server.client().chat.completions.create(model=real.name, messages=messages, max_tokens=12,
                                                     temperature=0)

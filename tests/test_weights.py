@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server import cost, models, weights
+from server import cost, cpu_kernels, models, weights
 from server.runner import BlockRunner
 from tests.test_runner import engine_greedy, greedy_trace, hf_greedy, masks_for, random_prompts, remove_blocks
 
@@ -42,6 +42,46 @@ def test_int4_bfloat16_within_rounding():
     assert (got - ref).norm() / ref.norm() < 0.01
 
 
+native = pytest.mark.skipif(not cpu_kernels.available(), reason="igserve's CPU kernels need AVX2/FMA/F16C and a compiler")
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 17, 64])
+def test_native_q4_kernel_is_the_q4_1_dequantisation(rows):
+    """Every tile shape and tail (rows per pass, channels per pass) against the float64 product."""
+    g = weights.quantize_q4_1(_weight(n=80, k=96, seed=rows))
+    qs, dm = cpu_kernels.pack_q4(g.q), cpu_kernels.pack_dm(g.d, g.m)
+    assert torch.equal(cpu_kernels.unpack_q4(qs), g.q.to(torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(cpu_kernels.unpack_dm(dm), (g.d, g.m)))
+    x = torch.randn(rows, 96)
+    ref = (x.double() @ g.dequantize().double().T).float()
+    torch.testing.assert_close(cpu_kernels.q4_linear(x, qs, dm), ref, rtol=1e-5, atol=1e-5)
+    lin = weights.Int4Linear(g, torch.randn(80), torch.float32, native=True)
+    torch.testing.assert_close(lin(x.view(rows, 1, 96)), (ref + lin.bias).view(rows, 1, 80), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.dequantized(), g.dequantize(), rtol=0, atol=0)
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 4, 6, 16])
+def test_native_int8_kernel_is_its_dequantised_weight(rows):
+    w = _weight(n=67, k=64, seed=rows)  # 67 channels: the one-channel tail of every pass
+    lin = weights.Int8Linear(w, None, torch.bfloat16, native=True)
+    assert lin.scales.dtype == torch.float32
+    x = torch.randn(rows, 64)
+    ref = (x.double() @ lin.dequantized().double().T).float()
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+
+
+@native
+def test_native_kernels_reject_bad_shapes():
+    g = weights.quantize_q4_1(_weight())
+    qs, dm = cpu_kernels.pack_q4(g.q), cpu_kernels.pack_dm(g.d, g.m)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.q4_linear(torch.randn(2, 64), qs, dm)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.q4_linear(torch.randn(2, 96).bfloat16(), qs, dm)
+
+
 def test_int8_matches_its_dequantised_weight():
     w = _weight()
     lin = weights.Int8Linear(w, None, torch.bfloat16)
@@ -51,8 +91,10 @@ def test_int8_matches_its_dequantised_weight():
     assert (lin.dequantized() - w).abs().max() <= w.abs().max() / 127  # half a step per channel, twice
 
 
-@pytest.mark.parametrize("kind", ["linear", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["linear", "int8", "int4", "int4-native", "int8-native"])
 def test_fuse_equals_the_parts(kind):
+    if kind.endswith("native") and not cpu_kernels.available():
+        pytest.skip("igserve's CPU kernels are not available here")
     parts = [_weight(n, 64, seed=n) for n in (64, 32, 32)]
     if kind == "linear":
         mods = []
@@ -63,6 +105,10 @@ def test_fuse_equals_the_parts(kind):
         dtype = torch.float32
     elif kind == "int8":
         mods, dtype = [weights.Int8Linear(w, torch.randn(w.shape[0]), torch.bfloat16) for w in parts], torch.bfloat16
+    elif kind == "int8-native":
+        mods, dtype = [weights.Int8Linear(w, torch.randn(w.shape[0]), torch.float32, native=True) for w in parts], torch.float32
+    elif kind == "int4-native":
+        mods, dtype = [weights.Int4Linear(weights.quantize_q4_1(w), None, torch.float32, native=True) for w in parts], torch.float32
     else:
         mods, dtype = [weights.Int4Linear(weights.quantize_q4_1(w), None, torch.bfloat16) for w in parts], torch.bfloat16
     x = torch.randn(4, 64).to(dtype)
@@ -94,13 +140,18 @@ def test_activation_dtype_follows_native_bf16(monkeypatch):
     assert weights.activation_dtype("int4", "cuda") == torch.bfloat16
 
 
-def test_float32_activations_keep_the_bf16_kernel(tiny_model_dir):
-    """A quantised model served with float32 activations still runs its kernels in bf16 (the fast
-    path) and matches the same model with bf16 activations to bf16 rounding."""
+def test_float32_activations_pick_the_kernels(tiny_model_dir):
+    """With float32 activations the quantised linears run igserve's float32 CPU kernels where the
+    CPU has them, else torch's bf16 kernels (scales pinned to bf16); bf16 activations always take
+    torch's. Both models agree to bf16 rounding."""
     lm32 = models.load(str(tiny_model_dir), dtype=torch.float32, weights="int4").model
     lm16 = models.load(str(tiny_model_dir), dtype=torch.bfloat16, weights="int4").model
-    mods = [m for m in lm32.modules() if isinstance(m, (weights.Int4Linear, weights.Int8Linear))]
-    assert mods and all(b.dtype == weights.KERNEL_DTYPE for m in mods for b in m.buffers() if b.is_floating_point())
+    quantised = (weights.Int4Linear, weights.Int8Linear)
+    mods32 = [m for m in lm32.modules() if isinstance(m, quantised)]
+    mods16 = [m for m in lm16.modules() if isinstance(m, quantised)]
+    assert mods32 and all(m.native == cpu_kernels.available() for m in mods32)
+    assert not any(m.native for m in mods16)
+    assert all(b.dtype == weights.KERNEL_DTYPE for m in mods16 for b in m.buffers() if b.is_floating_point())
     assert lm32.model.embed_tokens.weight.dtype == torch.float32
     ids = torch.tensor([[1, 5, 9, 12, 7]])
     a, b = lm32(ids).logits, lm16(ids).logits.float()
@@ -147,7 +198,8 @@ def test_cached_decode_equals_forward(quantised):
     (2^-6); a wrong mask moves logits by ~5."""
     prompt = random_prompts(1, [29], seed=2)[0]
     runner = BlockRunner(quantised.model, max_batch=2, max_len=64)
-    exact = runner.dtype == torch.float32 and quantised.weights not in ("int4", "int8")
+    native = any(getattr(m, "native", False) for m in quantised.model.modules())
+    exact = runner.dtype == torch.float32 and (native or quantised.weights not in ("int4", "int8"))
     atol = 1e-4 if exact else 2 ** -6 * 4
     for name in ("mixed", "layers_1_2"):
         mask = masks_for(8)[name]
@@ -167,8 +219,9 @@ def test_int4_float32_greedy_equals_hf_generate(tiny_model_dir):
 
 
 def test_int4_float32_equals_the_dequantised_fp32_model(tiny_model_dir):
-    """int4 with float32 activations is the fp32 model whose linears are the Q4_1 dequantisation,
-    up to the bf16 rounding of each kernel's input and output (the kernels' fast path)."""
+    """int4 with float32 activations is the fp32 model whose linears are the Q4_1 dequantisation:
+    to float32 rounding with igserve's kernels, to the bf16 rounding of each kernel's input and
+    output with torch's."""
     lm = models.load(str(tiny_model_dir), dtype=torch.float32, weights="int4")
     ref = weights.dequantized_copy(lm.model)
     ids = torch.tensor(random_prompts(1, [30], seed=2))
@@ -180,6 +233,8 @@ def test_int4_float32_equals_the_dequantised_fp32_model(tiny_model_dir):
     err = (got - want).norm() / want.norm()
     assert got.dtype == torch.float32 and err < 0.03 and err < 0.1 * (other - want).norm() / want.norm()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    if cpu_kernels.available():
+        assert err < 1e-5
 
 
 # ---------------------------------------------------------------------------- the shipped model

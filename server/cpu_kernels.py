@@ -1,0 +1,92 @@
+"""igserve's own CPU kernels (server/csrc/weight_only.cpp): weight-only int4 (Q4_1) and int8
+linears with float32 activations for x86 CPUs with AVX2, FMA and F16C.
+
+torch's CPU int4 kernel wants bfloat16 activations (float32 ones take a slow scalar path) and
+re-expands the weights for every row, so on a CPU without native bf16 arithmetic a decode step
+paid two casts per linear and a 16-row batch cost ~16x one row. These kernels expand each weight
+group once per call and use it for every row, in float32: the result is the Q4_1 dequantisation
+to float32 rounding. Built on first use with torch's extension builder (about 20 s, cached under
+``$IGSERVE_CACHE/kernels``); where the CPU lacks the instructions, no compiler is found or the
+build fails, ``available()`` is False and the formats use torch's kernels.
+``IGSERVE_NATIVE_KERNELS=0`` turns them off (to compare).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("igserve.kernels")
+
+SOURCE = Path(__file__).with_name("csrc") / "weight_only.cpp"
+REQUIRED_FLAGS = {"avx2", "fma", "f16c"}
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``torch.ops.igserve`` holds the kernels (built and loaded on the first call)."""
+    from server import models, weights
+
+    if os.environ.get("IGSERVE_NATIVE_KERNELS", "1") == "0":
+        return False
+    missing = REQUIRED_FLAGS - weights.cpu_features()
+    if missing:
+        log.info("native CPU kernels off: the CPU lacks %s", ", ".join(sorted(missing)))
+        return False
+    from torch.utils import cpp_extension
+
+    build = models.cache_root() / "kernels" / f"torch-{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(name="igserve_cpu_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
+                           verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels still work
+        log.warning("native CPU kernels unavailable (%s); using torch's kernels", exc)
+        return False
+    log.info("native CPU kernels ready in %.1f s", time.perf_counter() - start)
+    return True
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """Q4_1 values q [N, K] (0..15) -> the kernel's nibble layout [N, K/2] uint8: in every group of
+    32, byte j of half h holds element 16h + j (low nibble) and 16h + 8 + j (high nibble)."""
+    n, k = q.shape
+    g = q.to(torch.uint8).view(n, k // 32, 2, 2, 8)
+    return (g[:, :, :, 0] | (g[:, :, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_q4(qs: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_q4``: [N, K/2] uint8 -> [N, K] values 0..15."""
+    n, half = qs.shape
+    b = qs.view(n, half // 16, 2, 1, 8)
+    return torch.cat([b & 15, b >> 4], dim=3).reshape(n, half * 2)
+
+
+def pack_dm(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Per-group scale d and min m [N, K/32] -> int32 words holding fp16 d (low half) and fp16 m
+    (high half): exact for GGUF groups, which store both in fp16."""
+    pair = torch.stack([d.half(), m.half()], -1).contiguous()  # [N, G, 2] fp16
+    return pair.view(torch.int32).view(d.shape).contiguous()
+
+
+def unpack_dm(dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pair = dm.contiguous().view(torch.float16).view(*dm.shape, 2).float()
+    return pair[..., 0], pair[..., 1]
+
+
+def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """x2 [R, K] float32 @ W^T for Q4_1 W in the packed layout -> [R, N] float32."""
+    return torch.ops.igserve.q4_linear(x2, qs, dm)
+
+
+def i8_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x2 [R, K] float32 @ (q * scales[:, None])^T -> [R, N] float32."""
+    return torch.ops.igserve.i8_linear(x2, q, scales)

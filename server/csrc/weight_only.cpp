@@ -1,0 +1,180 @@
+// Weight-only linears for CPUs with AVX2 + FMA: y[R, N] = x[R, K] W^T with float32 activations.
+//
+// Each weight group of 32 is expanded to float32 in registers once per output row and reused by
+// every input row of the call, so one kernel serves decode (R = 1..16, bound by reading weights)
+// and prefill chunks (R in the hundreds, bound by FMAs). Weights are exactly what the formats
+// store: Q4_1 groups (w = d*q + m, rounded as q*d then + m, as the float reference does) and int8
+// per output channel (w = s*q, scaled after the dot product).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t GROUP = 32;
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Q4_1, repacked at load (q4_pack): a group of 32 is 16 bytes; byte j of half h (8 bytes each)
+// holds element 16h + j in its low nibble and 16h + 8 + j in its high one, so each half is one
+// 8-byte widening load, then a mask and a shift.
+struct Q4 {
+  const uint8_t* q;    // [N, K/2]
+  const uint32_t* dm;  // [N, K/32]: fp16 d in the low half, fp16 m in the high half, as the GGUF stores them
+  int64_t G;           // groups per channel
+  struct Channel {
+    const uint8_t* q;
+    const uint32_t* dm;
+    inline void expand(int64_t g, __m256 w[4]) const {
+      const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm[g])));  // [d, m, 0, 0]
+      const __m256 vd = _mm256_broadcastss_ps(f), vm = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+      const __m256i low = _mm256_set1_epi32(15);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + g * 16 + 8 * h)));
+        w[2 * h] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), vd), vm);
+        w[2 * h + 1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), vd), vm);
+      }
+    }
+  };
+  inline Channel channel(int64_t n) const { return {q + n * G * 16, dm + n * G}; }
+  inline float scale(int64_t) const { return 1.0f; }
+};
+
+// int8 per output channel: the dot product runs on the integers, the scale comes after.
+struct I8 {
+  const int8_t* q;  // [N, K]
+  const float* s;   // [N]
+  int64_t K;
+  struct Channel {
+    const int8_t* q;
+    inline void expand(int64_t g, __m256 w[4]) const {
+      for (int i = 0; i < 4; ++i)
+        w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + g * GROUP + 8 * i))));
+    }
+  };
+  inline Channel channel(int64_t n) const { return {q + n * K}; }
+  inline float scale(int64_t n) const { return s[n]; }
+};
+
+// y[r0 .. r0+RB, n0 .. n0+NC]: every weight group is expanded once and used by RB rows; the
+// NC * RB accumulators stay in registers, x is read straight into the FMAs.
+template <int NC, int RB, typename W>
+inline void tile(const W& w, const float* __restrict x, int64_t K, int64_t r0, int64_t n0, float* __restrict y,
+                 int64_t N) {
+  typename W::Channel ch[NC];
+  for (int c = 0; c < NC; ++c) ch[c] = w.channel(n0 + c);
+  __m256 acc[NC][RB];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RB; ++r) acc[c][r] = _mm256_setzero_ps();
+  const float* xb = x + r0 * K;
+  const int64_t G = K / GROUP;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* xg = xb + g * GROUP;
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      __m256 wv[4];
+      ch[c].expand(g, wv);
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) acc[c][r] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xg + r * K + 8 * i), acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RB; ++r) y[(r0 + r) * N + n0 + c] = hsum(acc[c][r]) * w.scale(n0 + c);
+}
+
+#ifndef MULTI_NC
+#define MULTI_NC 2
+#define MULTI_RB 4
+#define SINGLE_NC 2
+#endif
+
+template <int NC, int RB, typename W>
+inline void rows_tail(const W& w, const float* x, int64_t K, int64_t r, int64_t rest, int64_t n, float* y, int64_t N) {
+  if constexpr (RB > 1) {
+    if (rest == RB - 1) return tile<NC, RB - 1>(w, x, K, r, n, y, N);
+    return rows_tail<NC, RB - 1>(w, x, K, r, rest, n, y, N);
+  }
+}
+
+// Channels [n0, n1) for all R rows: tiles of MULTI_NC channels x MULTI_RB rows, then the
+// remaining rows; a single row takes SINGLE_NC channels per pass.
+template <typename W>
+void channels(const W& w, const float* x, int64_t R, int64_t K, float* y, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (R == 1) {
+    for (; n + SINGLE_NC <= n1; n += SINGLE_NC) tile<SINGLE_NC, 1>(w, x, K, 0, n, y, N);
+    for (; n < n1; ++n) tile<1, 1>(w, x, K, 0, n, y, N);
+    return;
+  }
+  for (; n + MULTI_NC <= n1; n += MULTI_NC) {
+    int64_t r = 0;
+    for (; r + MULTI_RB <= R; r += MULTI_RB) tile<MULTI_NC, MULTI_RB>(w, x, K, r, n, y, N);
+    if (r < R) rows_tail<MULTI_NC, MULTI_RB>(w, x, K, r, R - r, n, y, N);
+  }
+  for (; n < n1; ++n)
+    for (int64_t r = 0; r < R; ++r) tile<1, 1>(w, x, K, r, n, y, N);
+}
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
+              "x must be a contiguous float32 [R, ", K, "] tensor");
+  TORCH_CHECK(K % GROUP == 0, "in_features must be a multiple of 32");
+}
+
+// Channels [0, N) split across threads in blocks of 4 (whole tiles).
+template <typename W>
+void run(const W& w, const float* x, int64_t R, int64_t K, float* y, int64_t N) {
+  const int64_t blocks = (N + 3) / 4;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    channels(w, x, R, K, y, N, begin * 4, std::min(end * 4, N));
+  });
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm) {
+  const int64_t N = qs.size(0), K = qs.size(1) * 2;
+  check_x(x, K);
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs must be contiguous uint8 [N, K/2]");
+  TORCH_CHECK(dm.scalar_type() == at::kInt && dm.is_contiguous() && dm.numel() == N * (K / GROUP),
+              "dm must be contiguous int32 [N, K/32] (fp16 d, m pairs)");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const Q4 w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(dm.data_ptr<int32_t>()), K / GROUP};
+  run(w, x.data_ptr<float>(), x.size(0), K, y.data_ptr<float>(), N);
+  return y;
+}
+
+at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  const int64_t N = q.size(0), K = q.size(1);
+  check_x(x, K);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be float32 [N]");
+  const int64_t R = x.size(0);
+  at::Tensor y = at::empty({R, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const I8 w{qp, sp, K};
+  run(w, xp, R, K, yp, N);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(igserve, lib) {
+  lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm) -> Tensor");
+  lib.def("i8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
+  lib.impl("q4_linear", q4_linear);
+  lib.impl("i8_linear", i8_linear);
+}
