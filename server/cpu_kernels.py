@@ -1,12 +1,12 @@
 """igserve's own CPU kernels (server/csrc/weight_only.cpp): weight-only int4 (Q4_1) and int8
 linears with float32 activations for x86 CPUs with AVX2, FMA and F16C.
 
-torch's CPU int4 kernel wants bfloat16 activations (float32 ones take a slow scalar path) and
-re-expands the weights for every row, so on a CPU without native bf16 arithmetic a decode step
-paid two casts per linear and a 16-row batch cost ~16x one row. These kernels expand each weight
-group once per call and use it for every row, in float32: the result is the Q4_1 dequantisation
-to float32 rounding. Built on first use with torch's extension builder (about 20 s, cached under
-``$IGSERVE_CACHE/kernels``); where the CPU lacks the instructions, no compiler is found or the
+torch's CPU int4 kernel runs its fast path in bfloat16 and expands the weights again for every
+row, so on a CPU without native bf16 arithmetic each linear paid two casts and a batch cost
+nearly its row count times one row. These kernels expand each weight group once per call and
+use it for every row, in float32: the result is the Q4_1 dequantisation to float32 rounding.
+Built on first use with torch's extension builder (cached under ``$IGSERVE_CACHE/kernels``;
+the time is logged); where the CPU lacks the instructions, no compiler is found or the
 build fails, ``available()`` is False and the formats use torch's kernels.
 ``IGSERVE_NATIVE_KERNELS=0`` turns them off (to compare).
 """

@@ -86,8 +86,9 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     weights, lm_dtype = models.resolve_weights(cfg.weights, cfg.dtype, cfg.device)
     dtype_name = str(lm_dtype).removeprefix("torch.")
     lm = models.load(cfg.model, device=cfg.device, dtype=lm_dtype, weights=weights)
-    log.info("model %s: %s weights (%s kernels), %s activations on %s", lm.name, weights, wf.kernels(lm.model),
-             dtype_name, cfg.device)
+    kernels = wf.kernels(lm.model)
+    log.info("model %s: %s weights (%s kernels), %s activations on %s", lm.name, weights, kernels, dtype_name,
+             cfg.device)
     runner = BlockRunner(lm.model, max_batch=cfg.max_batch, max_len=cfg.max_model_len)
     if cfg.adaptive_depth_budget is not None and not cfg.adaptive_depth:
         raise BankError("--adaptive-depth-budget needs --adaptive-depth")
@@ -123,7 +124,7 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
     return Loaded(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
                   router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name,
-                  weights, wf.kernels(lm.model), StructuredOutputs(lm.tokenizer, lm.model.config.vocab_size), router)
+                  weights, kernels, StructuredOutputs(lm.tokenizer, lm.model.config.vocab_size), router)
 
 
 async def in_own_thread(fn, *args):

@@ -91,11 +91,8 @@ inline void tile(const W& w, const float* __restrict x, int64_t K, int64_t r0, i
     for (int r = 0; r < RB; ++r) y[(r0 + r) * N + n0 + c] = hsum(acc[c][r]) * w.scale(n0 + c);
 }
 
-#ifndef MULTI_NC
-#define MULTI_NC 2
-#define MULTI_RB 4
-#define SINGLE_NC 2
-#endif
+// Tile shapes: channels x rows per pass for several rows, channels per pass for one row.
+constexpr int MULTI_NC = 2, MULTI_RB = 4, SINGLE_NC = 2;
 
 template <int NC, int RB, typename W>
 inline void rows_tail(const W& w, const float* x, int64_t K, int64_t r, int64_t rest, int64_t n, float* y, int64_t N) {
