@@ -15,7 +15,7 @@ ARG TORCH_VARIANT=cpu
 # Unpinned on purpose: Debian security updates replace old versions in the suite.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make g++ \
+    && apt-get install -y --no-install-recommends g++ make \
     && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 1000 igserve \
