@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger("igserve.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "weight_only.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("weight_only.cpp", "blocks.cpp")]
 REQUIRED_FLAGS = {"avx2", "fma", "f16c"}
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
@@ -45,7 +45,7 @@ def available() -> bool:
     build.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        cpp_extension.load(name="igserve_cpu_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        cpp_extension.load(name="igserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
                            verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels still work

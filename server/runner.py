@@ -13,6 +13,10 @@ Every forward takes one gate row per sequence:
   0 are skipped, so hard masks and soft gates share this one code path.
 
 KV lives in a static, slot-based cache (one slot per running sequence, gpt-fast style).
+
+With float32 activations on a CPU that has igserve's kernels, cached forwards (prefill and
+decode) run each block as one fused C++ call (server/csrc/blocks.cpp) on the rows that keep it:
+the eager path spends most of a batch-1 decode step on per-op dispatch, not on the matmuls.
 """
 
 from __future__ import annotations
@@ -21,6 +25,18 @@ import torch
 import torch.nn.functional as F
 
 from server import cost, weights
+
+
+class FusedLayer:
+    """One layer's tensors in the form the fused CPU blocks take them."""
+
+    def __init__(self, runner: "BlockRunner", i: int, linears: dict):
+        layer = runner.layers[i]
+        self.attn_norm, self.ffn_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.attn_eps, self.ffn_eps = runner.eps[i]
+        (self.qkv, self.qkv_bias), (self.o, self.o_bias) = linears["qkv"], linears["o"]
+        (self.gate_up, self.gate_up_bias), (self.down, self.down_bias) = linears["gate_up"], linears["down"]
+        self.scale = float(layer.self_attn.scaling)
 
 
 def block_names(num_layers: int) -> list[str]:
@@ -60,7 +76,10 @@ class KVCache:
 class BlockRunner:
     """Runs a frozen HF causal LM block by block under per-row masks or gates."""
 
-    def __init__(self, model: torch.nn.Module, max_batch: int = 8, max_len: int | None = None):
+    def __init__(self, model: torch.nn.Module, max_batch: int = 8, max_len: int | None = None,
+                 fused: bool | None = None):
+        """``fused``: run cached forwards through the fused CPU blocks; None uses them wherever
+        they apply (``fused_blocks``), True requires them."""
         cfg = model.config
         base = model.model
         self.model = model
@@ -94,7 +113,27 @@ class BlockRunner:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             positions = max(self.max_len, self.config.max_position_embeddings)  # cache-free forwards may be longer
             cos, sin = self.rotary(probe, torch.arange(positions, device=self.device)[None])
-        self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_len, head_dim]
+        self.fused = self._fused_layers() if fused is not False else None
+        if fused and self.fused is None:
+            raise ValueError("the fused CPU blocks need float32 on a CPU with igserve's kernels and SiLU FFNs")
+
+    def _fused_layers(self) -> list[FusedLayer] | None:
+        """The layers as the fused blocks take them, or None where those do not apply."""
+        from server import cpu_kernels
+
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or self.config.hidden_act != "silu"
+                or self.head_dim % 8 or self.config.intermediate_size % 8 or not cpu_kernels.available()):
+            return None
+        out = []
+        for i, layer in enumerate(self.layers):
+            linears = {"qkv": self.qkv[i], "o": layer.self_attn.o_proj, "gate_up": self.gate_up[i],
+                       "down": layer.mlp.down_proj}
+            tensors = {name: weights.kernel_tensors(lin) for name, lin in linears.items()}
+            if any(t is None for t in tensors.values()):
+                return None
+            out.append(FusedLayer(self, i, tensors))
+        return out
 
     # ------------------------------------------------------------------ cost model
     def params_per_token(self, mask: torch.Tensor) -> float:
@@ -230,15 +269,35 @@ class BlockRunner:
             ids = torch.zeros(len(chunks), t, dtype=torch.long, device=dev)
             for i, c in enumerate(chunks):
                 ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        positions = start_t[:, None] + torch.arange(t, device=dev)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        gates = self._gates(masks)
+        if self.fused is not None and gates.dtype == torch.bool:
+            return self._forward_fused(ids, start_t, lengths, gates, slot_t)
+        positions = start_t[:, None] + torch.arange(t, device=dev)
         # Padding tokens of short rows write their K/V to the scratch slot, never over real entries.
         valid = torch.arange(t, device=dev)[None, :] < lengths[:, None]
         write_slots = torch.where(valid, slot_t[:, None], self.cache.scratch)
         write_pos = torch.where(valid, positions, 0)
         attn_mask = (torch.arange(kv_len, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
         run = _is_run(slots)
-        return self._forward(ids, positions, self._gates(masks), attn_mask, (slot_t, write_slots, write_pos, run))
+        return self._forward(ids, positions, gates, attn_mask, (slot_t, write_slots, write_pos, run))
+
+    def _forward_fused(self, ids, starts, lengths, keep, slots) -> torch.Tensor:
+        """``_forward`` with the cache, one fused C++ call per block run by any row."""
+        h = self.embed(ids)
+        columns = keep.t().contiguous()  # [B, n]: which rows run block j
+        attn, ffn = torch.ops.igserve.attn_block, torch.ops.igserve.ffn_block
+        for j, count in enumerate(columns.sum(1).tolist()):
+            if count == 0:
+                continue
+            i, f = j // 2, self.fused[j // 2]
+            if j % 2 == 0:
+                attn(h, columns[j], f.attn_norm, f.attn_eps, f.qkv, f.qkv_bias, f.o, f.o_bias, self.cos, self.sin,
+                     self.cache.k[i], self.cache.v[i], slots, starts, lengths, self.num_heads, self.num_kv_heads,
+                     f.scale)
+            else:
+                ffn(h, columns[j], f.ffn_norm, f.ffn_eps, f.gate_up, f.gate_up_bias, f.down, f.down_bias, lengths)
+        return _rms_norm(h, self.norm.weight, self.final_eps)
 
     def prefill(self, prompts: list[list[int]], masks: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Run prompts from position 0 into their cache slots; logits of each last token [B, V]."""

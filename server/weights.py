@@ -316,6 +316,18 @@ def native_kernels(device: str, dtype: torch.dtype) -> bool:
     return str(device) == "cpu" and dtype == torch.float32 and cpu_kernels.available()
 
 
+def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
+    """(weight tensors, bias) as igserve's fused CPU blocks take a linear (server/csrc/blocks.cpp):
+    [qs, dm] for native int4, [q, scales] for native int8, [weight] for float32; None otherwise."""
+    if isinstance(linear, torch.nn.Linear) and linear.weight.dtype == torch.float32:
+        return [linear.weight.detach()], None if linear.bias is None else linear.bias.detach()
+    if isinstance(linear, Int4Linear) and linear.native:
+        return [linear.qs, linear.dm], linear.bias
+    if isinstance(linear, Int8Linear) and linear.native:
+        return [linear.weight, linear.scales], linear.bias
+    return None
+
+
 def kernels(model: torch.nn.Module) -> str:
     """Which kernels the linears run (in /health and reports): "igserve-avx2" or "torch"."""
     native = any(getattr(m, "native", False) for m in model.modules() if isinstance(m, _WeightOnlyLinear))

@@ -15,6 +15,16 @@ from server.sampling import SamplingParams
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 
 
+@pytest.fixture(params=["fused", "eager"])
+def fused(request):
+    """Both cached paths: the fused CPU blocks (the float32 CPU default) and the eager ops."""
+    from server import cpu_kernels
+
+    if request.param == "fused" and not cpu_kernels.available():
+        pytest.skip("igserve's CPU kernels are not available here")
+    return request.param == "fused"
+
+
 class _ZeroAttention(torch.nn.Module):
     def forward(self, hidden_states, *args, **kwargs):
         return torch.zeros_like(hidden_states), None
@@ -52,8 +62,8 @@ def hf_greedy(model, prompt: list[int], n: int, use_cache: bool = True) -> list[
     return out[0, len(prompt):].tolist()
 
 
-def engine_greedy(lm, prompts, masks, max_tokens=16, max_batch=8):
-    runner = BlockRunner(lm.model, max_batch=max_batch, max_len=256)
+def engine_greedy(lm, prompts, masks, max_tokens=16, max_batch=8, fused=None):
+    runner = BlockRunner(lm.model, max_batch=max_batch, max_len=256, fused=fused)
     engine = LLMEngine(runner, lm.tokenizer)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     reqs = engine.generate([Request(list(p), m, params) for p, m in zip(prompts, masks)])
@@ -78,10 +88,10 @@ def masks_for(num_blocks):
 
 
 # ---------------------------------------------------------------------------- dense == HF generate
-def test_dense_matches_hf_generate_tiny(tiny):
+def test_dense_matches_hf_generate_tiny(tiny, fused):
     prompts = random_prompts(3, [5, 17, 40])
     dense = torch.ones(2 * tiny.model.config.num_hidden_layers, dtype=torch.bool)
-    ours = engine_greedy(tiny, prompts, [dense] * 3)
+    ours = engine_greedy(tiny, prompts, [dense] * 3, fused=fused)
     for prompt, got in zip(prompts, ours):
         assert got == hf_greedy(tiny.model, prompt, 16)
 
@@ -101,11 +111,11 @@ def test_dense_matches_hf_generate_real_model(real):
 
 # ---------------------------------------------------------------------------- masked == blocks removed
 @pytest.mark.parametrize("name", list(masks_for(8)))
-def test_mask_matches_physically_removed_tiny(tiny, name):
+def test_mask_matches_physically_removed_tiny(tiny, name, fused):
     mask = masks_for(8)[name]
     prompts = random_prompts(2, [7, 23], seed=1)
     pruned = remove_blocks(tiny.model, mask)
-    ours = engine_greedy(tiny, prompts, [mask] * 2)
+    ours = engine_greedy(tiny, prompts, [mask] * 2, fused=fused)
     for prompt, got in zip(prompts, ours):
         assert got == hf_greedy(pruned, prompt, 16, use_cache=False)
 
@@ -146,8 +156,8 @@ def greedy_trace(runner: BlockRunner, prompts, masks, steps=8, slots=None):
     return torch.stack(trace, 1), torch.tensor(tokens).T
 
 
-def test_mixed_mask_batch_equals_alone(tiny):
-    runner = BlockRunner(tiny.model, max_batch=4, max_len=256)
+def test_mixed_mask_batch_equals_alone(tiny, fused):
+    runner = BlockRunner(tiny.model, max_batch=4, max_len=256, fused=fused)
     all_masks = list(masks_for(8).values())
     prompts = random_prompts(4, [3, 31, 12, 20], seed=3)
     masks = [all_masks[4], torch.ones(8, dtype=torch.bool), all_masks[2], all_masks[0]]
@@ -195,10 +205,10 @@ def test_soft_gates_share_the_hard_mask_path(tiny):
     assert gates.grad is not None and gates.grad.abs().sum() > 0
 
 
-def test_extend_with_shared_prefix_equals_full_forward(tiny):
+def test_extend_with_shared_prefix_equals_full_forward(tiny, fused):
     """A context prefilled once, copied to other slots and extended by different continuations
     (as zero-shot scoring does) gives the logits of the full cache-free forward."""
-    runner = BlockRunner(tiny.model, max_batch=4, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=4, max_len=256, fused=fused)
     mask = masks_for(8)["mixed"]
     context, *conts = random_prompts(4, [21, 3, 7, 5], seed=6)
     runner.prefill([context], mask[None], [0])
@@ -209,3 +219,62 @@ def test_extend_with_shared_prefix_equals_full_forward(tiny):
         with torch.no_grad():
             ref = runner.forward(torch.tensor([context + cont]), mask)[0, len(context):]
         torch.testing.assert_close(got[i, : len(cont)], ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- fused blocks == eager ops
+def _trace_chunked(runner, prompts, masks, slots, steps=6):
+    """Logits of a prefill split in two chunks (the second starts mid-sequence), then decode steps."""
+    half = [len(p) // 2 for p in prompts]
+    runner.extend([p[:h] for p, h in zip(prompts, half)], [0] * len(prompts), masks, slots)
+    logits = runner.extend([p[h:] for p, h in zip(prompts, half)], half, masks, slots)
+    trace, tokens = [logits], logits.argmax(-1).tolist()
+    for s in range(steps):
+        logits = runner.decode(tokens, [len(p) + s for p in prompts], masks, slots)
+        trace.append(logits)
+        tokens = logits.argmax(-1).tolist()
+    return torch.stack(trace, 1)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
+def test_fused_blocks_equal_eager_ops(tiny_model_dir, tmp_path, fmt):
+    """Every weight format the fused blocks take, with q/k/v/o biases, mixed masks, ragged and
+    chunked prefill and decode: the same logits and K/V as the eager path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from server import cpu_kernels, models
+
+    if not cpu_kernels.available():
+        pytest.skip("igserve's CPU kernels are not available here")
+    config = LlamaConfig.from_pretrained(tiny_model_dir)
+    config.attention_bias = True
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_model_dir / f).exists():
+            (tmp_path / f).write_bytes((tiny_model_dir / f).read_bytes())
+    lm = models.load(str(tmp_path), weights=fmt)
+    assert lm.model.model.layers[0].self_attn.q_proj.bias is not None
+    fused = BlockRunner(lm.model, max_batch=4, max_len=128, fused=True)
+    eager = BlockRunner(lm.model, max_batch=4, max_len=128, fused=False)
+    all_masks = list(masks_for(8).values())
+    masks = torch.stack([all_masks[4], torch.ones(8, dtype=torch.bool), all_masks[2], all_masks[0]])
+    prompts = random_prompts(4, [3, 31, 12, 20], seed=7)
+    slots = [2, 0, 3, 1]
+    got, want = _trace_chunked(fused, prompts, masks, slots), _trace_chunked(eager, prompts, masks, slots)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    # K/V of each row at a layer whose attention it runs is the eager path's
+    for row, slot in enumerate(slots):
+        for layer in range(4):
+            if masks[row, 2 * layer]:
+                n = len(prompts[row]) + 5
+                torch.testing.assert_close(fused.cache.k[layer][slot, :, :n], eager.cache.k[layer][slot, :, :n],
+                                           atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(fused.cache.v[layer][slot, :, :n], eager.cache.v[layer][slot, :, :n],
+                                           atol=1e-5, rtol=1e-5)
+
+
+def test_fused_blocks_need_float32_cpu(tiny):
+    bf16 = copy.deepcopy(tiny.model).to(torch.bfloat16)
+    assert BlockRunner(bf16, max_batch=1, max_len=32).fused is None
+    with pytest.raises(ValueError, match="float32"):
+        BlockRunner(bf16, max_batch=1, max_len=32, fused=True)

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "weight_only.h"
+
 namespace {
 
 constexpr int64_t GROUP = 32;
@@ -136,6 +138,10 @@ void run(const W& w, const float* x, int64_t R, int64_t K, float* y, int64_t N) 
   });
 }
 
+}  // namespace
+
+namespace igserve {
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2;
   check_x(x, K);
@@ -164,7 +170,7 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return y;
 }
 
-}  // namespace
+}  // namespace igserve
 
 TORCH_LIBRARY(igserve, lib) {
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm) -> Tensor");
@@ -172,6 +178,6 @@ TORCH_LIBRARY(igserve, lib) {
 }
 
 TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
-  lib.impl("q4_linear", q4_linear);
-  lib.impl("i8_linear", i8_linear);
+  lib.impl("q4_linear", igserve::q4_linear);
+  lib.impl("i8_linear", igserve::i8_linear);
 }

@@ -1,0 +1,251 @@
+// Fused pre-norm blocks of a Llama-style decoder for float32 activations on AVX2 + FMA CPUs.
+//
+// One call runs a whole block (norm, projections, rotary, K/V write, attention, residual add, or
+// norm, gate/up, SiLU * up, down, residual add) on the rows that keep it, so a decode step costs
+// one dispatch per block instead of a dozen eager ops, each with its own allocation and Python
+// round trip. Rows that skip the block are not touched: their residual stream passes through and
+// their K/V at this layer is never written, as they never read it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "weight_only.h"
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x to about 1 ulp on [-87, 88]: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor
+// polynomial, 2^n put into the exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+float exp1(float x) {
+  alignas(32) float v[8] = {x};
+  _mm256_store_ps(v, exp8(_mm256_load_ps(v)));
+  return v[0];
+}
+
+// y = x W^T (+ b); W as the formats store it: [qs, dm] (Q4_1), [q, scales] (int8) or [weight].
+at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!w.empty(), "a linear needs its weight tensors");
+  at::Tensor y;
+  if (w[0].scalar_type() == at::kByte) {
+    y = igserve::q4_linear(x, w[0], w[1]);
+  } else if (w[0].scalar_type() == at::kChar) {
+    y = igserve::i8_linear(x, w[0], w[1]);
+  } else {
+    TORCH_CHECK(w[0].scalar_type() == at::kFloat, "dense weights must be float32");
+    y = at::linear(x, w[0]);
+  }
+  if (bias && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// The rows' tokens that run the block: (row, position in the chunk) of kept rows' real tokens.
+struct Tokens {
+  std::vector<int64_t> row, t;
+};
+
+Tokens kept_tokens(const at::Tensor& keep, const at::Tensor& lengths, int64_t T) {
+  TORCH_CHECK(keep.scalar_type() == at::kBool && lengths.scalar_type() == at::kLong, "keep is bool, lengths int64");
+  const bool* k = keep.data_ptr<bool>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  Tokens out;
+  for (int64_t r = 0; r < keep.numel(); ++r) {
+    if (!k[r]) continue;
+    TORCH_CHECK(len[r] >= 1 && len[r] <= T, "row length out of range");
+    for (int64_t t = 0; t < len[r]; ++t) out.row.push_back(r), out.t.push_back(t);
+  }
+  return out;
+}
+
+// x [M, H]: the gathered tokens of h [n, T, H], RMS-normalised and scaled by w (HF's LlamaRMSNorm
+// in float32).
+at::Tensor rms_norm(const at::Tensor& h, const Tokens& tok, const at::Tensor& w, double eps) {
+  const int64_t T = h.size(1), H = h.size(2), M = tok.row.size();
+  at::Tensor x = at::empty({M, H}, h.options());
+  const float* hp = h.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = hp + (tok.row[m] * T + tok.t[m]) * H;
+    float ss = 0;
+    for (int64_t i = 0; i < H; ++i) ss += src[i] * src[i];
+    const float inv = 1.0f / std::sqrt(ss / H + static_cast<float>(eps));
+    for (int64_t i = 0; i < H; ++i) xp[m * H + i] = (src[i] * inv) * wp[i];
+  }
+  return x;
+}
+
+// h[row, t] += out[m] for every gathered token.
+void residual_add(const at::Tensor& h, const Tokens& tok, const at::Tensor& out) {
+  const int64_t T = h.size(1), H = h.size(2);
+  float* hp = h.data_ptr<float>();
+  const float* op = out.data_ptr<float>();
+  for (size_t m = 0; m < tok.row.size(); ++m) {
+    float* dst = hp + (tok.row[m] * T + tok.t[m]) * H;
+    for (int64_t i = 0; i < H; ++i) dst[i] = dst[i] + op[m * H + i];
+  }
+}
+
+void check_h(const at::Tensor& h) {
+  TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kFloat && h.is_contiguous() && h.device().is_cpu(),
+              "h must be a contiguous float32 CPU tensor [n, T, H]");
+}
+
+// One attention block: x = norm(h); q, k, v = x Wqkv; rotary on q and k; k, v into the cache at
+// (slot, start + t); each token attends over its slot's positions 0 .. start + t; h += o(attn).
+void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& norm_w, double eps, at::TensorList qkv,
+                const std::optional<at::Tensor>& qkv_bias, at::TensorList o, const std::optional<at::Tensor>& o_bias,
+                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& lengths, int64_t num_heads,
+                int64_t num_kv_heads, double scale) {
+  check_h(h);
+  const int64_t T = h.size(1);
+  const Tokens tok = kept_tokens(keep, lengths, T);
+  const int64_t M = tok.row.size();
+  if (M == 0) return;
+  const int64_t hq = num_heads, hk = num_kv_heads, D = k_cache.size(3), L = k_cache.size(2);
+  TORCH_CHECK(hq % hk == 0 && D % 8 == 0 && k_cache.size(1) == hk, "head layout mismatch");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat,
+              "K/V caches must be contiguous float32 [slots, kv_heads, len, head_dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "cos/sin must be contiguous [positions, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong, "slots, starts are int64");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  std::vector<int64_t> pos(M);
+  for (int64_t m = 0; m < M; ++m) {
+    pos[m] = start[tok.row[m]] + tok.t[m];
+    TORCH_CHECK(pos[m] < L && pos[m] < cos.size(0), "position beyond the cache");
+    TORCH_CHECK(slot[tok.row[m]] >= 0 && slot[tok.row[m]] < k_cache.size(0), "slot out of range");
+  }
+
+  at::Tensor y = linear(rms_norm(h, tok, norm_w, eps), qkv, qkv_bias);  // [M, (hq + 2 hk) D]
+  const int64_t W = (hq + 2 * hk) * D, half = D / 2;
+  TORCH_CHECK(y.size(1) == W, "qkv projection has the wrong width");
+  float* yp = y.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  std::vector<float> tmp(D);
+  for (int64_t m = 0; m < M; ++m) {
+    const float *c = cp + pos[m] * D, *s = sp + pos[m] * D;
+    for (int64_t head = 0; head < hq + hk; ++head) {  // x cos + rotate_half(x) sin, as the reference rounds it
+      float* v = yp + m * W + head * D;
+      for (int64_t i = 0; i < half; ++i) tmp[i] = v[i] * c[i] + (-v[i + half]) * s[i];
+      for (int64_t i = half; i < D; ++i) tmp[i] = v[i] * c[i] + v[i - half] * s[i];
+      std::copy(tmp.begin(), tmp.end(), v);
+    }
+    for (int64_t kh = 0; kh < hk; ++kh) {
+      const int64_t at = ((slot[tok.row[m]] * hk + kh) * L + pos[m]) * D;
+      std::copy_n(yp + m * W + (hq + kh) * D, D, kc + at);
+      std::copy_n(yp + m * W + (hq + hk + kh) * D, D, vc + at);
+    }
+  }
+
+  at::Tensor attn = at::empty({M, hq * D}, h.options());
+  float* ap = attn.data_ptr<float>();
+  const int64_t group = hq / hk;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, M * hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t m = task / hq, head = task % hq, n = pos[m] + 1;
+      const float* q = yp + m * W + head * D;
+      const int64_t base = (slot[tok.row[m]] * hk + head / group) * L * D;
+      const float *kb = kc + base, *vb = vc + base;
+      p.resize(n);
+      float best = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kb + j * D + i), acc);
+        p[j] = hsum(acc) * fscale;
+        best = std::max(best, p[j]);
+      }
+      __m256 total8 = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), _mm256_set1_ps(best)));
+        _mm256_storeu_ps(p.data() + j, e);
+        total8 = _mm256_add_ps(total8, e);
+      }
+      float total = hsum(total8);
+      for (; j < n; ++j) total += (p[j] = exp1(p[j] - best));
+      const __m256 inv = _mm256_set1_ps(1.0f / total);
+      float* out = ap + m * hq * D + head * D;
+      for (int64_t i = 0; i < D; i += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t jj = 0; jj < n; ++jj) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), _mm256_loadu_ps(vb + jj * D + i), acc);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(acc, inv));
+      }
+    }
+  });
+  residual_add(h, tok, linear(attn, o, o_bias));
+}
+
+// One FFN block: x = norm(h); g, u = x Wgate_up; h += down(silu(g) * u).
+void ffn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& norm_w, double eps, at::TensorList gate_up,
+               const std::optional<at::Tensor>& gate_up_bias, at::TensorList down,
+               const std::optional<at::Tensor>& down_bias, const at::Tensor& lengths) {
+  check_h(h);
+  const Tokens tok = kept_tokens(keep, lengths, h.size(1));
+  const int64_t M = tok.row.size();
+  if (M == 0) return;
+  at::Tensor gu = linear(rms_norm(h, tok, norm_w, eps), gate_up, gate_up_bias);  // [M, 2I]
+  const int64_t I = gu.size(1) / 2;
+  TORCH_CHECK(I % 8 == 0, "intermediate size must be a multiple of 8");
+  at::Tensor a = at::empty({M, I}, h.options());
+  const float* gp = gu.data_ptr<float>();
+  float* apt = a.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gp + m * 2 * I + i), u = _mm256_loadu_ps(gp + m * 2 * I + I + i);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+      _mm256_storeu_ps(apt + m * I + i, _mm256_mul_ps(silu, u));
+    }
+  residual_add(h, tok, linear(a, down, down_bias));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(igserve, lib) {
+  lib.def(
+      "attn_block(Tensor(a!) h, Tensor keep, Tensor norm_w, float eps, Tensor[] qkv, Tensor? qkv_bias, Tensor[] o, "
+      "Tensor? o_bias, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor starts, "
+      "Tensor lengths, int num_heads, int num_kv_heads, float scale) -> ()");
+  lib.def(
+      "ffn_block(Tensor(a!) h, Tensor keep, Tensor norm_w, float eps, Tensor[] gate_up, Tensor? gate_up_bias, "
+      "Tensor[] down, Tensor? down_bias, Tensor lengths) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
+  lib.impl("attn_block", attn_block);
+  lib.impl("ffn_block", ffn_block);
+}
