@@ -23,7 +23,8 @@ import torch
 
 log = logging.getLogger("igserve.kernels")
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("weight_only.cpp", "blocks.cpp")]
+SOURCE_DIR = Path(__file__).with_name("csrc")
+SOURCES = [SOURCE_DIR / name for name in ("weight_only.cpp", "blocks.cpp")]
 REQUIRED_FLAGS = {"avx2", "fma", "f16c"}
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
@@ -41,7 +42,7 @@ def available() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    build = models.cache_root() / "kernels" / f"torch-{torch.__version__}"
+    build = models.cache_root() / "kernels" / f"torch-{torch.__version__}-{_source_digest()}"
     build.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
@@ -53,6 +54,17 @@ def available() -> bool:
         return False
     log.info("native CPU kernels ready in %.1f s", time.perf_counter() - start)
     return True
+
+
+def _source_digest() -> str:
+    """Hash of the kernel sources and flags: one build folder per version, so two checkouts (or an
+    upgrade beside a running server) never rebuild over each other's library."""
+    import hashlib
+
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in sorted([*SOURCE_DIR.glob("*.cpp"), *SOURCE_DIR.glob("*.h")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def pack_q4(q: torch.Tensor) -> torch.Tensor:

@@ -246,3 +246,17 @@ def test_gguf_q4_1_groups_are_the_served_fp32_weights(real):
     assert len(groups) == 7 * real.model.config.num_hidden_layers
     for name, g in groups.items():
         assert torch.equal(g.dequantize(), state[name + ".weight"]), name
+
+
+def test_kernel_build_folder_follows_the_sources(tmp_path, monkeypatch):
+    """Two versions of the kernel sources build into different folders, so checkouts sharing a
+    cache never rebuild over each other's library."""
+    from server import cpu_kernels
+
+    for name in ("weight_only.cpp", "blocks.cpp", "weight_only.h"):
+        (tmp_path / name).write_text(f"// {name}\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", tmp_path)
+    first = cpu_kernels._source_digest()
+    assert cpu_kernels._source_digest() == first
+    (tmp_path / "weight_only.h").write_text("// changed\n")
+    assert cpu_kernels._source_digest() != first
