@@ -278,3 +278,22 @@ def test_fused_blocks_need_float32_cpu(tiny):
     assert BlockRunner(bf16, max_batch=1, max_len=32).fused is None
     with pytest.raises(ValueError, match="float32"):
         BlockRunner(bf16, max_batch=1, max_len=32, fused=True)
+
+
+def test_fused_blocks_reject_mismatched_rows(tiny):
+    """The C++ blocks check their inputs: a wrong row count is an error, not a write out of bounds."""
+    from server import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("igserve's CPU kernels are not available here")
+    runner = BlockRunner(tiny.model, max_batch=2, max_len=32, fused=True)
+    f, h = runner.fused[0], torch.zeros(2, 1, tiny.model.config.hidden_size)
+    keep, one = torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="one int64 per row"):
+        torch.ops.igserve.attn_block(h, keep, f.attn_norm, f.attn_eps, f.qkv, f.qkv_bias, f.o, f.o_bias,
+                                     runner.cos, runner.sin, runner.cache.k[0], runner.cache.v[0],
+                                     torch.zeros(3, dtype=torch.long), one, one, runner.num_heads,
+                                     runner.num_kv_heads, f.scale)
+    with pytest.raises(RuntimeError, match="one entry per row"):
+        torch.ops.igserve.ffn_block(h, keep[:1], f.ffn_norm, f.ffn_eps, f.gate_up, f.gate_up_bias, f.down,
+                                    f.down_bias, one)

@@ -71,8 +71,10 @@ struct Tokens {
   std::vector<int64_t> row, t;
 };
 
-Tokens kept_tokens(const at::Tensor& keep, const at::Tensor& lengths, int64_t T) {
+Tokens kept_tokens(const at::Tensor& keep, const at::Tensor& lengths, int64_t n, int64_t T) {
   TORCH_CHECK(keep.scalar_type() == at::kBool && lengths.scalar_type() == at::kLong, "keep is bool, lengths int64");
+  TORCH_CHECK(keep.is_contiguous() && lengths.is_contiguous() && keep.numel() == n && lengths.numel() == n,
+              "keep and lengths need one entry per row");
   const bool* k = keep.data_ptr<bool>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   Tokens out;
@@ -88,6 +90,7 @@ Tokens kept_tokens(const at::Tensor& keep, const at::Tensor& lengths, int64_t T)
 // in float32).
 at::Tensor rms_norm(const at::Tensor& h, const Tokens& tok, const at::Tensor& w, double eps) {
   const int64_t T = h.size(1), H = h.size(2), M = tok.row.size();
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H, "norm weight must be float32 [H]");
   at::Tensor x = at::empty({M, H}, h.options());
   const float* hp = h.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -127,7 +130,7 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
                 int64_t num_kv_heads, double scale) {
   check_h(h);
   const int64_t T = h.size(1);
-  const Tokens tok = kept_tokens(keep, lengths, T);
+  const Tokens tok = kept_tokens(keep, lengths, h.size(0), T);
   const int64_t M = tok.row.size();
   if (M == 0) return;
   const int64_t hq = num_heads, hk = num_kv_heads, D = k_cache.size(3), L = k_cache.size(2);
@@ -137,7 +140,9 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
               "K/V caches must be contiguous float32 [slots, kv_heads, len, head_dim]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
               "cos/sin must be contiguous [positions, head_dim]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong, "slots, starts are int64");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  starts.is_contiguous() && slots.numel() == h.size(0) && starts.numel() == h.size(0),
+              "slots and starts: one int64 per row");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* start = starts.data_ptr<int64_t>();
   std::vector<int64_t> pos(M);
@@ -214,7 +219,7 @@ void ffn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& no
                const std::optional<at::Tensor>& gate_up_bias, at::TensorList down,
                const std::optional<at::Tensor>& down_bias, const at::Tensor& lengths) {
   check_h(h);
-  const Tokens tok = kept_tokens(keep, lengths, h.size(1));
+  const Tokens tok = kept_tokens(keep, lengths, h.size(0), h.size(1));
   const int64_t M = tok.row.size();
   if (M == 0) return;
   at::Tensor gu = linear(rms_norm(h, tok, norm_w, eps), gate_up, gate_up_bias);  // [M, 2I]
