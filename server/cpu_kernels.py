@@ -5,6 +5,8 @@ torch's CPU int4 kernel runs its fast path in bfloat16 and expands the weights a
 row, so on a CPU without native bf16 arithmetic each linear paid two casts and a batch cost
 nearly its row count times one row. These kernels expand each weight group once per call and
 use it for every row, in float32: the result is the Q4_1 dequantisation to float32 rounding.
+With ``q8`` (format int4q8) the activations are rounded to int8 first and one row runs integer
+dot products, as llama.cpp does.
 Built on first use with torch's extension builder (cached under ``$IGSERVE_CACHE/kernels``;
 the time is logged); where the CPU lacks the instructions, no compiler is found or the
 build fails, ``available()`` is False and the formats use torch's kernels.
@@ -94,9 +96,19 @@ def unpack_dm(dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pair[..., 0], pair[..., 1]
 
 
-def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """x2 [R, K] float32 @ W^T for Q4_1 W in the packed layout -> [R, N] float32."""
-    return torch.ops.igserve.q4_linear(x2, qs, dm)
+def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = False) -> torch.Tensor:
+    """x2 [R, K] float32 @ W^T for Q4_1 W in the packed layout -> [R, N] float32; ``q8``: x2
+    rounded to int8 per group of 32 first (``round_q8``)."""
+    return torch.ops.igserve.q4_linear(x2, qs, dm, q8)
+
+
+def round_q8(x2: torch.Tensor) -> torch.Tensor:
+    """The reference of the kernels' activation rounding: per row and group of 32, scale d =
+    absmax / 127 and x -> d * round(x / d) (ties to even)."""
+    g = x2.float().view(x2.shape[0], -1, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(g * inv) * d).view_as(x2)
 
 
 def i8_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

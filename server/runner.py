@@ -37,6 +37,8 @@ class FusedLayer:
         (self.qkv, self.qkv_bias), (self.o, self.o_bias) = linears["qkv"], linears["o"]
         (self.gate_up, self.gate_up_bias), (self.down, self.down_bias) = linears["gate_up"], linears["down"]
         self.scale = float(layer.self_attn.scaling)
+        q8 = {name: bool(getattr(lin, "q8", False)) for name, lin in runner.fused_linears(i).items()}
+        self.q8_attn, self.q8_ffn = (q8["qkv"], q8["o"]), (q8["gate_up"], q8["down"])
 
 
 def block_names(num_layers: int) -> list[str]:
@@ -118,6 +120,12 @@ class BlockRunner:
         if fused and self.fused is None:
             raise ValueError("the fused CPU blocks need float32 on a CPU with igserve's kernels and SiLU FFNs")
 
+    def fused_linears(self, i: int) -> dict[str, torch.nn.Module]:
+        """Layer i's four linears as the fused blocks run them (q/k/v and gate/up fused)."""
+        layer = self.layers[i]
+        return {"qkv": self.qkv[i], "o": layer.self_attn.o_proj, "gate_up": self.gate_up[i],
+                "down": layer.mlp.down_proj}
+
     def _fused_layers(self) -> list[FusedLayer] | None:
         """The layers as the fused blocks take them, or None where those do not apply."""
         from server import cpu_kernels
@@ -126,10 +134,8 @@ class BlockRunner:
                 or self.head_dim % 8 or self.config.intermediate_size % 8 or not cpu_kernels.available()):
             return None
         out = []
-        for i, layer in enumerate(self.layers):
-            linears = {"qkv": self.qkv[i], "o": layer.self_attn.o_proj, "gate_up": self.gate_up[i],
-                       "down": layer.mlp.down_proj}
-            tensors = {name: weights.kernel_tensors(lin) for name, lin in linears.items()}
+        for i in range(len(self.layers)):
+            tensors = {name: weights.kernel_tensors(lin) for name, lin in self.fused_linears(i).items()}
             if any(t is None for t in tensors.values()):
                 return None
             out.append(FusedLayer(self, i, tensors))
@@ -294,9 +300,10 @@ class BlockRunner:
             if j % 2 == 0:
                 attn(h, columns[j], f.attn_norm, f.attn_eps, f.qkv, f.qkv_bias, f.o, f.o_bias, self.cos, self.sin,
                      self.cache.k[i], self.cache.v[i], slots, starts, lengths, self.num_heads, self.num_kv_heads,
-                     f.scale)
+                     f.scale, *f.q8_attn)
             else:
-                ffn(h, columns[j], f.ffn_norm, f.ffn_eps, f.gate_up, f.gate_up_bias, f.down, f.down_bias, lengths)
+                ffn(h, columns[j], f.ffn_norm, f.ffn_eps, f.gate_up, f.gate_up_bias, f.down, f.down_bias, lengths,
+                    *f.q8_ffn)
         return _rms_norm(h, self.norm.weight, self.final_eps)
 
     def prefill(self, prompts: list[list[int]], masks: torch.Tensor, slots: list[int]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Weight formats for the runner's linears: fp32, bf16, int8 and int4 weight-only.
+"""Weight formats for the runner's linears: fp32, bf16, int8 and int4 weight-only, and int4q8.
 
 * ``int4`` serves the shipped GGUF's own Q4_1 bits: every 32-weight group keeps its fp16 scale d
   and min m (w = d·q + m, q in 0..15). torch's int4 kernels compute w = (q - 8)·scale + zero, so
@@ -6,6 +6,9 @@
   dtype: in float32 the layer is the Q4_1 dequantisation to float rounding; in bfloat16 (the fast
   CPU path) d and m + 8d are rounded to 8 mantissa bits. A model without a GGUF is quantised with
   ggml's Q4_1 rule (m = group min, d = range / 15).
+* ``int4q8``: int4 weights with each linear's input rounded to int8 per group of 32 first (not
+  down_proj's, whose SiLU·up outliers lose the most), as llama.cpp pairs Q4_1 with Q8_1: a single
+  row runs integer dot products. igserve's kernels only; with torch's it is ``int4``.
 * ``int8``: symmetric per-output-channel int8 (``_weight_int8pack_mm``), for 16/32-bit models.
 * The tied embedding / lm_head (Q8_0 in the GGUF) is an int8 per-channel lm_head in both
   quantised formats; the embedding lookup stays a table in the activation dtype.
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
+FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "int4q8")
 KERNEL_DTYPE = torch.bfloat16  # the quantised kernels' vectorised path, on every CPU and on CUDA
 GROUP = 32  # Q4_1 block size = torch int4 group size
 
@@ -131,15 +134,18 @@ class _WeightOnlyLinear(torch.nn.Module):
 
 class Int4Linear(_WeightOnlyLinear):
     """y = x W^T (+ b) with W in int4 groups of 32; ``native``: igserve's float32 CPU kernel on the
-    nibbles and fp16 d, m (server/cpu_kernels.py), else torch's int4 kernel in ``dtype``."""
+    nibbles and fp16 d, m (server/cpu_kernels.py), else torch's int4 kernel in ``dtype``. ``q8``
+    (native only): the activations are rounded to int8 per group of 32 first, as llama.cpp does,
+    so a single row runs integer dot products."""
 
     def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu",
-                 native: bool = False):
+                 native: bool = False, q8: bool = False):
         super().__init__()
         n, k = groups.q.shape
         self.in_features, self.out_features = k, n
         self.cuda_kernel = str(device).startswith("cuda")
         self.native = native
+        self.q8 = native and q8
         if n % 16:
             raise ValueError(f"int4 needs out_features divisible by 16, got {n}")
         if native:
@@ -168,7 +174,7 @@ class Int4Linear(_WeightOnlyLinear):
         if self.native:
             from server import cpu_kernels
 
-            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm)
+            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8)
         if self.cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
@@ -279,15 +285,17 @@ def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype = KERNEL_DTYPE
     """Replace the decoder's linears (and the lm_head) with ``fmt`` modules, in place; their
     kernels run in ``dtype``, or igserve's float32 CPU kernels with ``native``. ``groups``: Q4_1
     groups read from a GGUF (int4 only); missing linears are quantised here."""
-    if fmt not in ("int8", "int4"):
+    if fmt not in ("int8", "int4", "int4q8"):
         raise ValueError(f"not a quantised format: {fmt!r}")
     groups = groups or {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear) or name == "lm_head":
             continue
-        if fmt == "int4":
+        if fmt in ("int4", "int4q8"):
             g = groups.get(name) or quantize_q4_1(module.weight)
-            new = Int4Linear(g, module.bias, dtype, device, native)
+            # int4q8 keeps down_proj's input in float32: its outliers (SiLU·up) lose the most to int8
+            new = Int4Linear(g, module.bias, dtype, device, native,
+                             q8=fmt == "int4q8" and not name.endswith("down_proj"))
         else:
             new = Int8Linear(module.weight, module.bias, dtype, device, native)
         parent, _, attr = name.rpartition(".")
@@ -363,7 +371,8 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
 def bytes_per_param(fmt: str) -> float:
     """Weight bytes read per parameter of a linear in ``fmt`` (int4: 4 bits plus one bf16 scale and
     zero per group of 32; int8: per-channel scales are negligible)."""
-    return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / GROUP}[fmt]
+    return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / GROUP,
+            "int4q8": 0.5 + 4 / GROUP}[fmt]
 
 
 def cpu_features() -> set[str]:

@@ -235,7 +235,7 @@ def _trace_chunked(runner, prompts, masks, slots, steps=6):
     return torch.stack(trace, 1)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4", "int4q8"])
 def test_fused_blocks_equal_eager_ops(tiny_model_dir, tmp_path, fmt):
     """Every weight format the fused blocks take, with q/k/v/o biases, mixed masks, ragged and
     chunked prefill and decode: the same logits and K/V as the eager path."""
@@ -256,6 +256,8 @@ def test_fused_blocks_equal_eager_ops(tiny_model_dir, tmp_path, fmt):
     assert lm.model.model.layers[0].self_attn.q_proj.bias is not None
     fused = BlockRunner(lm.model, max_batch=4, max_len=128, fused=True)
     eager = BlockRunner(lm.model, max_batch=4, max_len=128, fused=False)
+    q8 = fmt == "int4q8"  # int8-rounded activations everywhere but down_proj's input
+    assert (fused.fused[0].q8_attn, fused.fused[0].q8_ffn) == ((q8, q8), (q8, False))
     all_masks = list(masks_for(8).values())
     masks = torch.stack([all_masks[4], torch.ones(8, dtype=torch.bool), all_masks[2], all_masks[0]])
     prompts = random_prompts(4, [3, 31, 12, 20], seed=7)

@@ -62,6 +62,28 @@ def test_native_q4_kernel_is_the_q4_1_dequantisation(rows):
 
 
 @native
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
+def test_native_q4_kernel_with_int8_activations(rows):
+    """q8: the product of the Q4_1 weights with the activations rounded per group of 32
+    (``round_q8``), for one row (integer dot products, every channel tail) and several (float
+    kernel on the rounded rows); each row's result is the same whatever rows share the call."""
+    g = weights.quantize_q4_1(_weight(n=83, k=128, seed=rows))
+    qs, dm = cpu_kernels.pack_q4(g.q), cpu_kernels.pack_dm(g.d, g.m)
+    x = torch.randn(rows, 128)
+    x[:, 5] *= 30  # an outlier sets its group's scale
+    rounded = cpu_kernels.round_q8(x)
+    step = x.view(rows, 4, 32).abs().amax(-1, keepdim=True) / 127
+    assert (rounded - x).view(rows, 4, 32).abs().le(step / 2 + 1e-6).all()
+    ref = (rounded.double() @ g.dequantize().double().T).float()
+    got = cpu_kernels.q4_linear(x, qs, dm, True)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    exact = cpu_kernels.q4_linear(x, qs, dm)
+    assert (exact - got).abs().max() > 1e-3  # the rounding is there
+    alone = torch.cat([cpu_kernels.q4_linear(x[r:r + 1], qs, dm, True) for r in range(rows)])
+    torch.testing.assert_close(alone, got, rtol=1e-5, atol=1e-5)
+
+
+@native
 @pytest.mark.parametrize("rows", [1, 4, 6, 16])
 def test_native_int8_kernel_is_its_dequantised_weight(rows):
     w = _weight(n=67, k=64, seed=rows)  # 67 channels: the one-channel tail of every pass

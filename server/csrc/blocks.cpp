@@ -50,12 +50,13 @@ float exp1(float x) {
   return v[0];
 }
 
-// y = x W^T (+ b); W as the formats store it: [qs, dm] (Q4_1), [q, scales] (int8) or [weight].
-at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at::Tensor>& bias) {
+// y = x W^T (+ b); W as the formats store it: [qs, dm] (Q4_1; q8: int8-rounded activations), [q, scales]
+// (int8) or [weight].
+at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at::Tensor>& bias, bool q8) {
   TORCH_CHECK(!w.empty(), "a linear needs its weight tensors");
   at::Tensor y;
   if (w[0].scalar_type() == at::kByte) {
-    y = igserve::q4_linear(x, w[0], w[1]);
+    y = igserve::q4_linear(x, w[0], w[1], q8);
   } else if (w[0].scalar_type() == at::kChar) {
     y = igserve::i8_linear(x, w[0], w[1]);
   } else {
@@ -127,7 +128,7 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
                 const std::optional<at::Tensor>& qkv_bias, at::TensorList o, const std::optional<at::Tensor>& o_bias,
                 const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& lengths, int64_t num_heads,
-                int64_t num_kv_heads, double scale) {
+                int64_t num_kv_heads, double scale, bool q8_qkv, bool q8_o) {
   check_h(h);
   const int64_t T = h.size(1);
   const Tokens tok = kept_tokens(keep, lengths, h.size(0), T);
@@ -152,7 +153,7 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
     TORCH_CHECK(slot[tok.row[m]] >= 0 && slot[tok.row[m]] < k_cache.size(0), "slot out of range");
   }
 
-  at::Tensor y = linear(rms_norm(h, tok, norm_w, eps), qkv, qkv_bias);  // [M, (hq + 2 hk) D]
+  at::Tensor y = linear(rms_norm(h, tok, norm_w, eps), qkv, qkv_bias, q8_qkv);  // [M, (hq + 2 hk) D]
   const int64_t W = (hq + 2 * hk) * D, half = D / 2;
   TORCH_CHECK(y.size(1) == W, "qkv projection has the wrong width");
   float* yp = y.data_ptr<float>();
@@ -211,18 +212,18 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
       }
     }
   });
-  residual_add(h, tok, linear(attn, o, o_bias));
+  residual_add(h, tok, linear(attn, o, o_bias, q8_o));
 }
 
 // One FFN block: x = norm(h); g, u = x Wgate_up; h += down(silu(g) * u).
 void ffn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& norm_w, double eps, at::TensorList gate_up,
                const std::optional<at::Tensor>& gate_up_bias, at::TensorList down,
-               const std::optional<at::Tensor>& down_bias, const at::Tensor& lengths) {
+               const std::optional<at::Tensor>& down_bias, const at::Tensor& lengths, bool q8_gate_up, bool q8_down) {
   check_h(h);
   const Tokens tok = kept_tokens(keep, lengths, h.size(0), h.size(1));
   const int64_t M = tok.row.size();
   if (M == 0) return;
-  at::Tensor gu = linear(rms_norm(h, tok, norm_w, eps), gate_up, gate_up_bias);  // [M, 2I]
+  at::Tensor gu = linear(rms_norm(h, tok, norm_w, eps), gate_up, gate_up_bias, q8_gate_up);  // [M, 2I]
   const int64_t I = gu.size(1) / 2;
   TORCH_CHECK(I % 8 == 0, "intermediate size must be a multiple of 8");
   at::Tensor a = at::empty({M, I}, h.options());
@@ -235,7 +236,7 @@ void ffn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& no
       const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
       _mm256_storeu_ps(apt + m * I + i, _mm256_mul_ps(silu, u));
     }
-  residual_add(h, tok, linear(a, down, down_bias));
+  residual_add(h, tok, linear(a, down, down_bias, q8_down));
 }
 
 }  // namespace
@@ -244,10 +245,10 @@ TORCH_LIBRARY_FRAGMENT(igserve, lib) {
   lib.def(
       "attn_block(Tensor(a!) h, Tensor keep, Tensor norm_w, float eps, Tensor[] qkv, Tensor? qkv_bias, Tensor[] o, "
       "Tensor? o_bias, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor starts, "
-      "Tensor lengths, int num_heads, int num_kv_heads, float scale) -> ()");
+      "Tensor lengths, int num_heads, int num_kv_heads, float scale, bool q8_qkv=False, bool q8_o=False) -> ()");
   lib.def(
       "ffn_block(Tensor(a!) h, Tensor keep, Tensor norm_w, float eps, Tensor[] gate_up, Tensor? gate_up_bias, "
-      "Tensor[] down, Tensor? down_bias, Tensor lengths) -> ()");
+      "Tensor[] down, Tensor? down_bias, Tensor lengths, bool q8_gate_up=False, bool q8_down=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(igserve, CPU, lib) {

@@ -3,8 +3,9 @@
 #include <ATen/ATen.h>
 
 namespace igserve {
-// x [R, K] float32 @ W^T for Q4_1 W (qs [N, K/2] nibbles, dm [N, K/32] fp16 d|m) -> [R, N]
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm);
+// x [R, K] float32 @ W^T for Q4_1 W (qs [N, K/2] nibbles, dm [N, K/32] fp16 d|m) -> [R, N];
+// q8: x rounded to int8 per group of 32 first (weight_only.cpp)
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8 = false);
 // x [R, K] float32 @ (q * scales[:, None])^T, q int8 [N, K] -> [R, N]
 at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
 }  // namespace igserve
