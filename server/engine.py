@@ -6,7 +6,9 @@ routed first, in one encoder batch. Decode rows run as one batched forward, pref
 another; rows with different masks share each (the runner skips a block for the rows whose mask
 skips it). Postprocessing samples, detokenises incrementally and applies stop conditions.
 Choices of one prompt (n > 1) prefill it once: when the first one's prefill is done, the others
-get a copy of its cached prompt and sample their first tokens from the same logits.
+get a copy of its cached prompt and sample their first tokens from the same logits. A request
+whose prompt starts with tokens a free slot still holds under the same mask (a shared system
+prompt, the previous turn of a chat) skips their prefill (``_reuse_prefixes``).
 
 A failure fails only the requests it belongs to: a routing error the requests being routed, a
 forward that raises is retried row by row, and a row with non-finite logits or whose sampling or
@@ -54,7 +56,8 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, runner: BlockRunner, tokenizer, max_batch: int | None = None, router: Router | None = None,
-                 max_num_batched_tokens: int | None = None, depth: AdaptiveDepth | None = None):
+                 max_num_batched_tokens: int | None = None, depth: AdaptiveDepth | None = None,
+                 prefix_cache: bool = True):
         self.runner = runner
         self.tokenizer = tokenizer
         self._backend = backend(tokenizer)
@@ -62,7 +65,8 @@ class LLMEngine:
         self.depth = depth  # load-adaptive depth: may set the budget of the requests a step admits
         self.max_batch = min(max_batch or runner.cache.max_batch, runner.cache.max_batch)
         self._measure_budget = max_num_batched_tokens is None  # at warm-up, on the serving thread
-        self.scheduler = Scheduler(self.max_batch, max_num_batched_tokens or runner.max_len, runner.max_len)
+        self.scheduler = Scheduler(self.max_batch, max_num_batched_tokens or runner.max_len, runner.max_len,
+                                   prefix_cache=prefix_cache)
         eos = runner.config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos]) - {None}
         if tokenizer.eos_token_id is not None:
@@ -146,6 +150,7 @@ class LLMEngine:
         if self.depth is not None:  # at admission, before routing binds the mask; never for running requests
             self.depth.admit(sched.admitted, len(self.scheduler.waiting))
         failed = self._route(sched.admitted)
+        self._reuse_prefixes(sched, {id(r) for r, _ in failed})
         now = time.monotonic()
         for req in sched.admitted:
             req.scheduled_time = now
@@ -173,6 +178,20 @@ class LLMEngine:
         for req, route in zip(todo, routes):
             req.mask, req.mask_id, req.route = self.router.masks[route.mask_id], route.mask_id, route
         return []
+
+    def _reuse_prefixes(self, sched, failed: set[int]) -> None:
+        """Now that the admitted requests have masks: move each to the free slot holding the longest
+        prefix of its prompt under its mask and start its prefill chunk after that prefix."""
+        chunks = {id(c.request): c for c in sched.prefill}
+        for req in sched.admitted:
+            chunk = chunks.get(id(req))
+            if chunk is None or id(req) in failed:
+                continue
+            hit = self.scheduler.bind_prefix(req)
+            if hit:
+                end = max(chunk.start + chunk.length, hit + 1)
+                chunk.start, chunk.length = hit, end - hit
+                req.num_computed = req.num_cached = hit
 
     def _execute(self, rows: list[Chunk], tokens: list[list[int]]) -> list[StepOutput]:
         """One forward over rows; a row that makes it fail is found by running the rows one by one."""
@@ -320,8 +339,8 @@ class LLMEngine:
         return StepOutput(req, [tok], req.detokenizer.delta(req.finished), req.finished, new_lp, new_top)
 
     def _fail(self, req: Request, exc: BaseException) -> StepOutput:
+        req.finish_reason, req.error = "error", exc  # first: the scheduler keeps no K/V of a failed request
         self.scheduler.remove(req)
-        req.finish_reason, req.error = "error", exc
         return StepOutput(req, [], "", True)
 
     def _count_blocks(self, masks: torch.Tensor, tokens: list[int]) -> None:

@@ -120,7 +120,8 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     masks = {i: MaskChoice(m, 1.0 - float(m.float().mean()), runner.cost.compute_saved(m))
              for i, m in _mask_tensors(bank, router, runner.num_blocks).items()}
     metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
-    engine = LLMEngine(runner, lm.tokenizer, cfg.max_batch, router, cfg.max_num_batched_tokens, depth)
+    engine = LLMEngine(runner, lm.tokenizer, cfg.max_batch, router, cfg.max_num_batched_tokens, depth,
+                       prefix_cache=cfg.prefix_cache)
     max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
     return Loaded(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
                   router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name,

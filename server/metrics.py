@@ -67,7 +67,10 @@ REQUESTS_BY_BUDGET = _counter("igserve_requests_by_budget", "Routed requests by 
 REQUEST_ERRORS = _counter("igserve_request_errors", "Error responses by OpenAI error type.", "error_type")
 DRAIN_CUT = _counter("igserve_drain_timeout_requests", "Requests still in flight at the drain timeout on shutdown, "
                      "ended with an error.")
-PROMPT_TOKENS = _counter("igserve_prompt_tokens", "Prefilled prompt tokens (the choices of one prompt prefill it once).")
+PROMPT_TOKENS = _counter("igserve_prompt_tokens", "Prefilled prompt tokens (the choices of one prompt prefill it once; "
+                         "prefix-cache hits are not prefilled).")
+PREFIX_HITS = _counter("igserve_prefix_cache_hit_tokens", "Prompt tokens whose K/V a slot still held under the "
+                       "request's mask (prefix cache), so they were not prefilled.")
 GENERATION_TOKENS = _counter("igserve_generation_tokens", "Generated tokens.")
 ADAPTIVE_DEPTH = _counter("igserve_adaptive_depth_requests", "Routed requests that load-adaptive depth admitted at "
                           "a sparser budget than the default (--adaptive-depth).")
@@ -98,6 +101,7 @@ class ServingMetrics:
         self.skip = SKIP_RATIO.labels(model_name)
         self.saved = COMPUTE_SAVED.labels(model_name)
         self.prompt_tokens = PROMPT_TOKENS.labels(model_name)
+        self.prefix_hits = PREFIX_HITS.labels(model_name)
         self.generation_tokens = GENERATION_TOKENS.labels(model_name)
         self.blocks = [BLOCKS_EXECUTED.labels(model_name, kind) for kind in ("attn", "ffn")]
         self.running = NUM_RUNNING.labels(model_name)
@@ -145,7 +149,8 @@ class ServingMetrics:
             last = self._last_token.get(req.request_id)
             if last is None:  # this step prefilled the request
                 self._scheduled(req)
-                self.prompt_tokens.inc(len(req.prompt_ids) - req.num_shared)
+                self.prompt_tokens.inc(len(req.prompt_ids) - req.num_shared - req.num_cached)
+                self.prefix_hits.inc(req.num_cached)
                 if req.first_token_time is not None:  # None: scored only (max_tokens 0), no token
                     self.ttft.observe(req.first_token_time - req.arrival)
                 self.queue.observe(req.scheduled_time - self._queued.pop(req.request_id))

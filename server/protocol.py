@@ -341,10 +341,15 @@ class IgserveInfo(BaseModel):
     adaptive: bool = False  # load-adaptive depth admitted it at a sparser budget than the default
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens the prefix cache held, not prefilled (OpenAI's field)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 def new_id(prefix: str) -> str:

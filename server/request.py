@@ -41,7 +41,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the slot
     num_shared: int = 0  # prompt tokens copied from shares_prefill_of's slot instead of prefilled
+    num_cached: int = 0  # prompt tokens whose K/V its slot still held (prefix cache) instead of prefilled
     slot: int | None = None
+    slot_prefix: object | None = None  # scheduler.SlotPrefix its slot held when admitted, until bound
     finish_reason: str | None = None  # stop | length | abort | error
     error: BaseException | None = None  # why the request failed (finish_reason "error")
     first_token_time: float | None = None

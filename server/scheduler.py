@@ -12,7 +12,10 @@ ones, so chat TTFT does not pay for protecting streams from long prompts. While 
 decoding there is no stream to stall, and a step may prefill up to ``idle_budget`` (``IDLE_CHUNK``
 with a ``StepCost``: long enough to run at full speed, short enough that a new arrival waits little).
 Prefill rows of one step are right-padded to the longest chunk, so the budget counts padded
-tokens. Choices of one prompt (n > 1) are held back while their first choice prefills; the
+tokens. A freed slot keeps its tokens' K/V (prefix cache, as llama-server's slots): once the engine
+knows a new request's mask, ``bind_prefix`` moves it to the free slot holding the longest prefix of
+its prompt computed under the same mask (a skipped attention block has no K/V, and a block's K/V
+depend on every block before it), and that prefix is not prefilled again. Choices of one prompt (n > 1) are held back while their first choice prefills; the
 engine then admits them with a copy of its cache (``admit``). The scheduler knows nothing of
 models: it returns a plain ``Schedule`` that maps onto the runner's calls, and is tested with a
 fake runner.
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+import torch
 
 from server.request import Request
 
@@ -66,6 +71,23 @@ class StepCost:
 
 
 @dataclass
+class SlotPrefix:
+    """What a free slot still holds: the K/V of ``tokens`` computed under ``mask``."""
+
+    tokens: list[int]
+    mask: torch.Tensor
+    freed: int  # order of release: the least recently freed slot is overwritten first
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
 class Schedule:
     decode: list[Request] = field(default_factory=list)  # one token each, in slot order
     prefill: list[Chunk] = field(default_factory=list)
@@ -76,8 +98,12 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, max_num_batched_tokens: int, idle_budget: int | None = None):
+    def __init__(self, max_batch: int, max_num_batched_tokens: int, idle_budget: int | None = None,
+                 prefix_cache: bool = True):
         self.max_batch = max_batch
+        self.prefix_cache = prefix_cache
+        self.prefixes: dict[int, SlotPrefix] = {}  # free slot -> what its K/V still hold
+        self._freed = 0
         self.set_budget(max_num_batched_tokens)
         self.cost: StepCost | None = None  # set: the budget follows it instead
         self.idle_budget = max(idle_budget or 0, max_num_batched_tokens)
@@ -117,6 +143,11 @@ class Scheduler:
             self.running.remove(request)
             self.free_slots.append(request.slot)
             self.free_slots.sort()
+            # a failed request's K/V may be what failed; an unrouted one has none
+            if self.prefix_cache and request.error is None and request.mask is not None and request.num_computed:
+                self._freed += 1
+                tokens = (request.prompt_ids + request.output_ids)[:request.num_computed]
+                self.prefixes[request.slot] = SlotPrefix(tokens, request.mask, self._freed)
 
     def schedule(self) -> Schedule:
         out = Schedule(decode=[r for r in self.running if not r.prefilling])
@@ -156,6 +187,37 @@ class Scheduler:
         self.waiting.remove(req)
         req.slot = self.free_slots.pop(0)
         self.running.append(req)
+        req.slot_prefix = self.prefixes.pop(req.slot, None)  # to be overwritten, unless ``bind_prefix`` moves it
+
+    def bind_prefix(self, req: Request) -> int:
+        """Move a request just admitted (mask known) to the free slot, its own included, holding the
+        longest prefix of its prompt computed under the same mask; with none, to a free slot holding
+        nothing or else the least recently freed one, so the prefixes of other masks survive longer.
+        Returns the prompt tokens it can skip (never the last one: its logits give the first token);
+        0 for a request that scores its prompt or shares a prefill."""
+        if req.slot_prefix is not None:  # what its slot held: a candidate like the free slots
+            self.prefixes[req.slot], req.slot_prefix = req.slot_prefix, None
+        candidates = [req.slot] + self.free_slots
+        best, hit = None, 0
+        if self.prefix_cache and not req.num_computed and req.prompt_logprobs is None \
+                and req.shares_prefill_of is None:
+            for slot in candidates:
+                held = self.prefixes.get(slot)
+                if held is not None and torch.equal(held.mask, req.mask):
+                    n = min(common_prefix(held.tokens, req.prompt_ids), len(req.prompt_ids) - 1)
+                    if n > hit:
+                        best, hit = slot, n
+        if best is None:
+            best = min(candidates, key=lambda s: (s in self.prefixes, self.prefixes[s].freed if s in self.prefixes
+                                                  else 0, s))
+        if best != req.slot:
+            self.free_slots.remove(best)
+            self.free_slots.append(req.slot)
+            self.free_slots.sort()
+            req.slot = best
+            self.running.sort(key=lambda r: r.slot)
+        self.prefixes.pop(best, None)
+        return hit
 
     def admit(self, request: Request) -> bool:
         """Give a waiting request a free slot outside ``schedule`` (its prompt's K/V are copied in,

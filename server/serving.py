@@ -425,9 +425,12 @@ class Reply:
     def usage(self, reqs: list[EngineRequest] | None = None) -> protocol.Usage:
         """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
         reqs = self.reqs if reqs is None else reqs
-        n_prompt = sum(len(r.prompt_ids) for k, r in enumerate(reqs) if reqs is not self.reqs or k % self.n == 0)
+        prompts = [r for k, r in enumerate(reqs) if reqs is not self.reqs or k % self.n == 0]
+        n_prompt = sum(len(r.prompt_ids) for r in prompts)
         n_out = sum(len(r.output_ids) for r in reqs)
-        return protocol.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+        details = protocol.PromptTokensDetails(cached_tokens=sum(r.num_cached for r in prompts))
+        return protocol.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                              prompt_tokens_details=details)
 
     def _common(self) -> dict:
         return {"id": self.id, "model": self.loaded.name, "igserve": self.info()}

@@ -719,14 +719,13 @@ def prompt_positions(rows: list[tuple[int, int]], n: int) -> int:
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_n_greedy_choices_equal_one_run_and_prefill_the_prompt_once(live_server, client, model, tiny, stream,
                                                                      monkeypatch):
+    """n = 3 prefills a new prompt once; the same prompt again then finds it in the prefix cache
+    (all but its last token), and both equal the prompt run alone."""
+    client.completions.create(model=model, prompt="warm", max_tokens=1)  # start-up's step timing is done
     rows = record_rows(live_server.app.state.service.loaded.engine.engine.runner, monkeypatch)
-    ids = tiny.tokenizer(PROMPTS["code"])["input_ids"]
-    single = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
-                                       extra_body=mask_body("dense"))
+    ids = tiny.tokenizer(f"{'Streamed' if stream else 'Plain'} choices: " + PROMPTS["code"])["input_ids"]
     ref = run_alone(tiny, ids, torch.ones(8, dtype=torch.bool), max_tokens=10, temperature=0)
-    assert single.choices[0].text == ref.text
     before = live_server.metrics()
-    rows.clear()
     r = client.completions.create(model=model, prompt=ids, n=3, max_tokens=10, temperature=0, stream=stream,
                                   extra_body=mask_body("dense"))
     if stream:
@@ -737,11 +736,21 @@ def test_n_greedy_choices_equal_one_run_and_prefill_the_prompt_once(live_server,
         texts = [c.text for c in r.choices]
         assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.prompt_tokens == len(ids)
         assert r.usage.completion_tokens == 3 * len(ref.output_ids)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
     assert texts == [ref.text] * 3
     assert prompt_positions(rows, len(ids)) == len(ids)  # one prefill: the other choices copied its cache
-    prefilled = metric_value(live_server.metrics(), "igserve_prompt_tokens_total") - \
-        metric_value(before, "igserve_prompt_tokens_total")
-    assert prefilled == len(ids)
+    after = live_server.metrics()
+    assert metric_value(after, "igserve_prompt_tokens_total") - metric_value(before, "igserve_prompt_tokens_total") \
+        == len(ids)
+    rows.clear()
+    again = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
+                                      extra_body=mask_body("dense"))
+    assert again.choices[0].text == ref.text
+    assert again.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    assert prompt_positions(rows, len(ids)) == 1
+    hits = metric_value(live_server.metrics(), "igserve_prefix_cache_hit_tokens_total") - \
+        metric_value(after, "igserve_prefix_cache_hit_tokens_total")
+    assert hits == len(ids) - 1
 
 
 def test_n_seeded_choices_draw_with_seed_plus_j(client, model, tiny, tiny_bank):

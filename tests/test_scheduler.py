@@ -1,6 +1,7 @@
 """The scheduler and the engine's failure isolation, without a model: a fake runner whose "model"
-is a pure function of the tokens written into each cache slot, so a chunk run at the wrong
-position, in the wrong slot or twice changes the output."""
+is a pure function of the tokens written into each cache slot and of the masks they were written
+under, so a chunk run at the wrong position, in the wrong slot, twice, or after a prefix cached
+under another mask changes the output."""
 
 from __future__ import annotations
 
@@ -37,9 +38,11 @@ class FakeRunner:
         for i, (chunk, start, slot) in enumerate(zip(chunks, starts, slots)):
             cached = self.kv.setdefault(slot, [])
             assert start <= len(cached), "a chunk must continue what its slot holds"
-            self.kv[slot] = cached[:start] + list(chunk)
+            key = int("".join("1" if b else "0" for b in masks[i].tolist()), 2)  # the mask it is computed under
+            self.kv[slot] = cached[:start] + [(t, key) for t in chunk]
             seq = self.kv[slot]
-            nxt = 100 + (sum((j + 1) * t for j, t in enumerate(seq)) % 1000)  # depends on every token and position
+            # depends on every token, its position and its mask
+            nxt = 100 + (sum((j + 1) * t + 7 * k for j, (t, k) in enumerate(seq)) % 1000)
             logits[i, nxt] = 10.0
             if any(t in self.nan for t in chunk):
                 logits[i, 0] = float("nan")
@@ -58,15 +61,16 @@ def tokenizer(tiny):
     return tiny.tokenizer
 
 
-def make(n_prompt: int, max_tokens: int = 6, first: int = 1000, **params) -> Request:
-    ids = [first + i for i in range(n_prompt)]
-    return Request(ids, torch.ones(BLOCKS, dtype=torch.bool), SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                            **params))
+def make(n_prompt: int, max_tokens: int = 6, first: int = 1000, ids: list[int] | None = None,
+         mask: torch.Tensor | None = None, **params) -> Request:
+    ids = ids if ids is not None else [first + i for i in range(n_prompt)]
+    mask = mask if mask is not None else torch.ones(BLOCKS, dtype=torch.bool)
+    return Request(ids, mask, SamplingParams(max_tokens=max_tokens, temperature=0, **params))
 
 
 def alone(tokenizer, req: Request) -> list[int]:
     eng = LLMEngine(FakeRunner(), tokenizer)
-    return eng.generate([make(len(req.prompt_ids), req.params.max_tokens, req.prompt_ids[0])])[0].output_ids
+    return eng.generate([make(0, req.params.max_tokens, ids=list(req.prompt_ids), mask=req.mask)])[0].output_ids
 
 
 def test_budget_is_kept_and_long_prompts_are_chunked(tokenizer):
@@ -363,3 +367,88 @@ def test_chunked_prefill_on_a_real_runner_equals_one_shot(tiny):
         return [r.output_ids for r in reqs]
 
     assert run(budget=5) == run(budget=256)
+
+
+SKIP_TWO = torch.tensor([True, False, True, True, False, True, True, True])
+
+
+def test_a_prompt_that_continues_a_finished_one_skips_the_prefix_its_slot_holds(tokenizer):
+    """A chat's next turn (the previous prompt, its answer, new tokens) and a repeated prompt
+    prefill only what their slot does not hold under the same mask; the outputs equal runs in a
+    fresh engine (the fake runner's logits depend on every cached token, position and mask)."""
+    runner = FakeRunner(max_batch=4)
+    eng = LLMEngine(runner, tokenizer)
+    first = eng.generate([make(20, first=1000)])[0]
+    held = first.prompt_ids + first.output_ids[:-1]  # the last sampled token was never fed
+    turn = make(0, ids=first.prompt_ids + first.output_ids + [5000 + i for i in range(7)])
+    runner.calls.clear()
+    eng.generate([turn])
+    assert turn.num_cached == len(held) and turn.slot == first.slot
+    assert runner.calls[0]["starts"] == [len(held)] and runner.calls[0]["lengths"] == [len(turn.prompt_ids) - len(held)]
+    assert turn.output_ids == alone(tokenizer, turn)
+    again = make(0, ids=list(turn.prompt_ids))
+    eng.generate([again])
+    assert again.num_cached == len(turn.prompt_ids) - 1  # the last prompt token runs again for its logits
+    assert again.output_ids == turn.output_ids
+
+
+def test_a_prefix_cached_under_another_mask_is_not_reused_and_survives(tokenizer):
+    """Same prompt, another mask: no reuse (its K/V differ), and the new request takes another free
+    slot, so the dense prefix is still there for the next dense request."""
+    runner = FakeRunner(max_batch=4)
+    eng = LLMEngine(runner, tokenizer)
+    dense = eng.generate([make(20, first=1000)])[0]
+    masked = eng.generate([make(20, first=1000, mask=SKIP_TWO)])[0]
+    assert masked.num_cached == 0 and masked.slot != dense.slot
+    assert masked.output_ids == alone(tokenizer, masked) != dense.output_ids
+    dense2 = eng.generate([make(20, first=1000)])[0]
+    assert dense2.num_cached == 19 and dense2.slot == dense.slot and dense2.output_ids == dense.output_ids
+    off = LLMEngine(FakeRunner(max_batch=4), tokenizer, prefix_cache=False)
+    reqs = off.generate([make(20, first=1000), make(20, first=1000)])
+    assert [r.num_cached for r in reqs] == [0, 0] and reqs[0].output_ids == reqs[1].output_ids
+
+
+def test_a_failed_request_leaves_no_prefix_and_scored_prompts_prefill_whole(tokenizer):
+    """A request that failed may have failed in its K/V: its slot holds nothing reusable. A request
+    that scores its prompt (echo/logprobs) needs every position's logits, so it reuses nothing."""
+    runner = FakeRunner(max_batch=2)
+    eng = LLMEngine(runner, tokenizer)
+    runner.nan.add(1019)
+    bad = eng.generate([make(20, first=1000)])[0]
+    assert bad.finish_reason == "error"
+    runner.nan.clear()
+    ok = eng.generate([make(20, first=1000)])[0]
+    assert ok.num_cached == 0 and ok.output_ids == alone(tokenizer, ok)
+    scored, plain = make(20, first=1000), make(20, first=1000)
+    scored.prompt_logprobs = 0
+    for req in (scored, plain):
+        eng.scheduler.add(req)
+        assert eng.scheduler.schedule().admitted == [req]
+        hit = eng.scheduler.bind_prefix(req)
+        assert hit == (0 if req is scored else 19)  # scored: moved to the empty slot, the prefix kept
+        assert req.slot == (1 if req is scored else ok.slot)
+        req.finish_reason = "abort"
+        eng.scheduler.remove(req)  # nothing computed: the slot keeps what it held
+
+
+def test_prefix_reuse_on_a_real_runner_equals_prefilling_again(tiny):
+    """The tiny Llama, dense and masked: the next turn of a chat (prompt, answer, new tokens),
+    prefilled after the K/V its slot kept, gives the greedy tokens of an engine without the cache."""
+    from server.runner import BlockRunner
+
+    def run(prefix_cache: bool) -> tuple[list[list[int]], list[int]]:
+        eng = LLMEngine(BlockRunner(tiny.model, max_batch=2, max_len=256), tiny.tokenizer,
+                        prefix_cache=prefix_cache)
+        outs, cached = [], []
+        for mask in (torch.ones(BLOCKS, dtype=torch.bool), SKIP_TWO):
+            params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            first = eng.generate([Request([1000 + 3 * j for j in range(19)], mask, params)])[0]
+            turn = Request(first.prompt_ids + first.output_ids + [2000 + j for j in range(5)], mask, params)
+            eng.generate([turn])
+            outs += [first.output_ids, turn.output_ids]
+            cached.append(turn.num_cached)
+        return outs, cached
+
+    (with_cache, cached), (without, none) = run(True), run(False)
+    assert cached == [19 + 7, 19 + 7] and none == [0, 0]
+    assert with_cache == without
