@@ -54,7 +54,7 @@ def test_metrics_move_with_requests(live_server, tiny, tiny_bank):
     client = live_server.client()
     before = live_server.metrics()
     jobs = [("code", False), ("math", True), ("dense", False), ("global", True), ("auto", False), ("auto", True)]
-    served = []  # (mask, skip_ratio, compute_saved, prompt_tokens, completion_tokens, routed)
+    served = []  # (mask, skip_ratio, compute_saved, prompt_tokens, completion_tokens, routed, cached_tokens)
     for i, (mask, stream) in enumerate(jobs):
         kwargs = dict(model=model, prompt=f"Request {i}: write a short poem about the sea", max_tokens=5 + i,
                       temperature=0, extra_body={"igserve": {"mask": mask}})
@@ -65,7 +65,7 @@ def test_metrics_move_with_requests(live_server, tiny, tiny_bank):
             r = client.completions.create(**kwargs)
             info, usage = r.igserve, r.usage
         served.append((info["mask"], info["skip_ratio"], info["compute_saved"], usage.prompt_tokens,
-                       usage.completion_tokens, mask == "auto"))
+                       usage.completion_tokens, mask == "auto", usage.prompt_tokens_details.cached_tokens))
     for bad in ({"temperature": -1}, {"n": 17}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=model, prompt="x", **bad)
@@ -80,25 +80,28 @@ def test_metrics_move_with_requests(live_server, tiny, tiny_bank):
         return metric_value(after, sample, **labels) - metric_value(before, sample, **labels)
 
     n = len(jobs)
-    outs = [c for *_, c, _ in served]
+    outs = [c for *_, c, _, _ in served]
     assert sum(delta("igserve_request_success_total", finished_reason=r) for r in ("stop", "length", "abort")) == n
     assert delta("igserve_request_success_total", finished_reason="length") == n  # max_tokens reached
     for mask in {m for m, *_ in served}:
         assert delta("igserve_requests_by_mask_total", mask=mask) == sum(m == mask for m, *_ in served), mask
-    assert delta("igserve_prompt_tokens_total") == sum(p for *_, p, _, _ in served)
+    # every prompt token is either prefilled or found in the prefix cache
+    assert delta("igserve_prompt_tokens_total") == sum(p - hit for *_, p, _, _, hit in served)
+    assert delta("igserve_prefix_cache_hit_tokens_total") == sum(hit for *_, hit in served)
     assert delta("igserve_generation_tokens_total") == sum(outs)
     for hist in ("igserve_e2e_request_latency_seconds", "igserve_time_to_first_token_seconds",
                  "igserve_request_queue_time_seconds", "igserve_skip_ratio", "igserve_compute_saved_ratio",
                  "igserve_request_time_per_output_token_seconds"):
         assert delta(hist + "_count") == n, hist
     assert delta("igserve_inter_token_latency_seconds_count") == sum(c - 1 for c in outs)
-    assert delta("igserve_router_latency_seconds_count") == sum(routed for *_, routed in served)
+    assert delta("igserve_router_latency_seconds_count") == sum(routed for *_, routed, _ in served)
     assert delta("igserve_skip_ratio_sum") == pytest.approx(sum(s for _, s, *_ in served))
     assert delta("igserve_compute_saved_ratio_sum") == pytest.approx(sum(c for _, _, c, *_ in served))
     assert delta("igserve_e2e_request_latency_seconds_sum") > delta("igserve_time_to_first_token_seconds_sum") > 0
-    # every token that went through the model (the prompt, and each output but the last) ran each kept block
+    # every token that went through the model (the prompt not in the prefix cache, and each output but the
+    # last) ran each kept block
     for k, kind in enumerate(("attn", "ffn")):
-        expected = sum(int(tiny_bank.mask(m)[k::2].sum()) * (p + c - 1) for m, _, _, p, c, _ in served)
+        expected = sum(int(tiny_bank.mask(m)[k::2].sum()) * (p - hit + c - 1) for m, _, _, p, c, _, hit in served)
         assert delta("igserve_blocks_executed_total", kind=kind) == expected, kind
     assert delta("igserve_request_errors_total", error_type="invalid_request_error") == 2
     assert delta("igserve_request_errors_total", error_type="not_found_error") == 1
