@@ -149,12 +149,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if self.depth is not None:  # at admission, before routing binds the mask; never for running requests
             self.depth.admit(sched.admitted, len(self.scheduler.waiting))
-        failed = self._route(sched.admitted)
-        self._reuse_prefixes(sched, {id(r) for r, _ in failed})
+        outputs = [self._fail(req, exc) for req, exc in self._route(sched.admitted)]
+        self._reuse_prefixes(sched)
         now = time.monotonic()
         for req in sched.admitted:
             req.scheduled_time = now
-        outputs = [self._fail(req, exc) for req, exc in failed]
         decode = [r for r in sched.decode if not r.finished]
         if decode:
             rows = [Chunk(r, r.num_tokens - 1, 1) for r in decode]
@@ -179,13 +178,13 @@ class LLMEngine:
             req.mask, req.mask_id, req.route = self.router.masks[route.mask_id], route.mask_id, route
         return []
 
-    def _reuse_prefixes(self, sched, failed: set[int]) -> None:
+    def _reuse_prefixes(self, sched) -> None:
         """Now that the admitted requests have masks: move each to the free slot holding the longest
         prefix of its prompt under its mask and start its prefill chunk after that prefix."""
         chunks = {id(c.request): c for c in sched.prefill}
         for req in sched.admitted:
             chunk = chunks.get(id(req))
-            if chunk is None or id(req) in failed:
+            if chunk is None or req.finished:  # failed routing
                 continue
             hit = self.scheduler.bind_prefix(req)
             if hit:

@@ -15,8 +15,8 @@ Prefill rows of one step are right-padded to the longest chunk, so the budget co
 tokens. A freed slot keeps its tokens' K/V (prefix cache, as llama-server's slots): once the engine
 knows a new request's mask, ``bind_prefix`` moves it to the free slot holding the longest prefix of
 its prompt computed under the same mask (a skipped attention block has no K/V, and a block's K/V
-depend on every block before it), and that prefix is not prefilled again. Choices of one prompt (n > 1) are held back while their first choice prefills; the
-engine then admits them with a copy of its cache (``admit``). The scheduler knows nothing of
+depend on every block before it), and that prefix is not prefilled again. Choices of one prompt
+(n > 1) are held back while their first choice prefills; the engine then admits them with a copy of its cache (``admit``). The scheduler knows nothing of
 models: it returns a plain ``Schedule`` that maps onto the runner's calls, and is tested with a
 fake runner.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from os.path import commonprefix
 
 import torch
 
@@ -77,14 +78,6 @@ class SlotPrefix:
     tokens: list[int]
     mask: torch.Tensor
     freed: int  # order of release: the least recently freed slot is overwritten first
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass
@@ -204,12 +197,11 @@ class Scheduler:
             for slot in candidates:
                 held = self.prefixes.get(slot)
                 if held is not None and torch.equal(held.mask, req.mask):
-                    n = min(common_prefix(held.tokens, req.prompt_ids), len(req.prompt_ids) - 1)
+                    n = min(len(commonprefix([held.tokens, req.prompt_ids])), len(req.prompt_ids) - 1)
                     if n > hit:
                         best, hit = slot, n
-        if best is None:
-            best = min(candidates, key=lambda s: (s in self.prefixes, self.prefixes[s].freed if s in self.prefixes
-                                                  else 0, s))
+        if best is None:  # freed counts from 1, so a slot holding nothing (0) comes first
+            best = min(candidates, key=lambda s: (self.prefixes[s].freed if s in self.prefixes else 0, s))
         if best != req.slot:
             self.free_slots.remove(best)
             self.free_slots.append(req.slot)
