@@ -155,12 +155,7 @@ class Int4Linear(_WeightOnlyLinear):
             self.register_buffer("dm", cpu_kernels.pack_dm(groups.d, groups.m))
             self.register_buffer("bias", None if bias is None else bias.detach().float())
             return
-        if self.cuda_kernel:  # untested: tinygemm wants two nibbles per byte, high nibble first
-            q = groups.q.to(torch.uint8)
-            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(device), 8)
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1)
-        self.register_buffer("packed", packed)
+        self.register_buffer("packed", _torch_int4_pack(groups.q, device))
         zero = groups.m + 8 * groups.d
         self.register_buffer("scales_zeros", torch.stack([groups.d, zero], -1).transpose(0, 1).contiguous().to(
             device=device, dtype=dtype))  # [K/32, N, 2]
@@ -180,10 +175,14 @@ class Int4Linear(_WeightOnlyLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
 
     @classmethod
-    def cat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
-        """Concatenate along N (the packed layouts are whole rows or blocks of 16 rows, so rows stack)."""
+    def cat(cls, parts: list["Int4Linear"]) -> torch.nn.Module:
+        """Concatenate along N. igserve's layout is whole rows; torch's packs rows in blocks whose
+        height depends on the CPU (64 on AVX-512), so its parts stack only where a probe of the same
+        shapes packs the same as the whole; otherwise the parts run one after another."""
         if parts[0].native:
             return _stacked(cls, parts, {"qs": 0, "dm": 0, "bias": 0})
+        if not _torch_int4_rows_stack([p.out_features for p in parts], parts[0].in_features, parts[0].packed.device):
+            return Concat(parts)
         return _stacked(cls, parts, {"packed": 0, "scales_zeros": 1, "bias": 0})
 
     def dequantized(self) -> torch.Tensor:
@@ -243,6 +242,34 @@ class Int8Linear(_WeightOnlyLinear):
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
+
+
+def _torch_int4_pack(q: torch.Tensor, device) -> torch.Tensor:
+    """torch's packed int4 weight from nibbles [N, K]."""
+    if str(device).startswith("cuda"):  # untested: tinygemm wants two nibbles per byte, high nibble first
+        q = q.to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(device), 8)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+
+def _torch_int4_rows_stack(rows: list[int], k: int, device) -> bool:
+    """Whether torch's packing of parts with these row counts, stacked, equals its packing of the whole."""
+    q = torch.randint(0, 16, (sum(rows), k), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    stacked = torch.cat([_torch_int4_pack(part, device) for part in q.split(rows)])
+    return torch.equal(stacked, _torch_int4_pack(q, device))
+
+
+class Concat(torch.nn.Module):
+    """``cat([l(x) for l in parts], -1)``: the fused linear where the parts' weights cannot stack."""
+
+    def __init__(self, parts: list[torch.nn.Module]):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], -1)
 
 
 def _stacked(cls, parts, dims: dict[str, int]):
