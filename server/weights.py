@@ -371,11 +371,17 @@ def kernels(model: torch.nn.Module) -> str:
 
 def activation_dtype(fmt: str, device: str = "cpu") -> torch.dtype:
     """Activations (residual stream, norms, attention, KV cache) for a quantised format: bfloat16
-    where the hardware computes in it (CUDA, AVX-512 BF16, AMX), else float32: on AVX2 a bf16
-    attention over a long cache is several times slower than float32."""
-    if device.startswith("cuda") or {"avx512_bf16", "amx_bf16"} & cpu_features():
+    on CUDA; on a CPU float32 wherever igserve's kernels run (they compute in it, and beat torch's
+    bf16 int4 kernel at decode on AVX-512 BF16 too: README, "Weight formats"), else bfloat16 where
+    the CPU computes in it (AVX-512 BF16, AMX), else float32: on AVX2 a bf16 attention over a long
+    cache is several times slower than float32."""
+    from server import cpu_kernels
+
+    if device.startswith("cuda"):
         return torch.bfloat16
-    return torch.float32
+    if cpu_kernels.available() or not {"avx512_bf16", "amx_bf16"} & cpu_features():
+        return torch.float32
+    return torch.bfloat16
 
 
 def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:

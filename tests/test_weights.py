@@ -155,11 +155,15 @@ def test_resolve_weights():
         models.resolve_weights("int3")
 
 
-def test_activation_dtype_follows_native_bf16(monkeypatch):
+def test_activation_dtype_follows_the_kernels(monkeypatch):
+    """float32 where igserve's kernels run (on AVX-512 BF16 too), else bf16 where the CPU has it."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     monkeypatch.setattr(weights, "cpu_features", lambda: {"avx2", "fma"})
     assert weights.activation_dtype("int4") == torch.float32 and weights.auto_format() == "int4"
     monkeypatch.setattr(weights, "cpu_features", lambda: {"avx2", "avx512f", "avx512_bf16"})
     assert weights.activation_dtype("int4") == torch.bfloat16 and weights.auto_format() == "int4"
+    monkeypatch.setattr(cpu_kernels, "available", lambda: True)
+    assert weights.activation_dtype("int4") == torch.float32
     monkeypatch.setattr(weights, "cpu_features", lambda: {"sse4_2"})
     assert weights.auto_format() == "fp32"
     assert weights.activation_dtype("int4", "cuda") == torch.bfloat16

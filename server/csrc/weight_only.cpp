@@ -3,8 +3,9 @@
 // Each weight group of 32 is expanded to float32 in registers once per output row and reused by
 // every input row of the call, so one kernel serves decode (R = 1..16, bound by reading weights)
 // and prefill chunks (R in the hundreds, bound by FMAs). Weights are exactly what the formats
-// store: Q4_1 groups (w = d*q + m, rounded as q*d then + m, as the float reference does) and int8
-// per output channel (w = s*q, scaled after the dot product).
+// store: Q4_1 groups (w = d*q + m, rounded as q*d then + m, as the float reference does; a single
+// row factors the product instead, see tile_q4_row) and int8 per output channel (w = s*q, scaled
+// after the dot product).
 //
 // q8 (Q4_1 only): the activations are first rounded per row and group of 32 to int8 with one
 // float scale (absmax / 127), as llama.cpp's Q8_1 does. A single row then runs integer dot
@@ -37,18 +38,24 @@ struct Q4 {
   const uint8_t* q;    // [N, K/2]
   const uint32_t* dm;  // [N, K/32]: fp16 d in the low half, fp16 m in the high half, as the GGUF stores them
   int64_t G;           // groups per channel
+  const float* xsum = nullptr;  // one row: its sum per group, for the factored product (tile_q4_row)
   struct Channel {
     const uint8_t* q;
     const uint32_t* dm;
-    inline void expand(int64_t g, __m256 w[4]) const {
-      const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm[g])));  // [d, m, 0, 0]
-      const __m256 vd = _mm256_broadcastss_ps(f), vm = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+    // the nibbles of group g as float32, in the order expand() produces them
+    inline void nibbles(int64_t g, __m256 w[4]) const {
       const __m256i low = _mm256_set1_epi32(15);
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + g * 16 + 8 * h)));
-        w[2 * h] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), vd), vm);
-        w[2 * h + 1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), vd), vm);
+        w[2 * h] = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+        w[2 * h + 1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
       }
+    }
+    inline void expand(int64_t g, __m256 w[4]) const {
+      const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm[g])));  // [d, m, 0, 0]
+      const __m256 vd = _mm256_broadcastss_ps(f), vm = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+      nibbles(g, w);
+      for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(w[i], vd), vm);
     }
   };
   inline Channel channel(int64_t n) const { return {q + n * G * 16, dm + n * G}; }
@@ -99,6 +106,34 @@ inline void tile(const W& w, const float* __restrict x, int64_t K, int64_t r0, i
   }
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < RB; ++r) y[(r0 + r) * N + n0 + c] = hsum(acc[c][r]) * w.scale(n0 + c);
+}
+
+// One row against NC Q4_1 channels, factored as llama.cpp does: sum (d q + m) x = d sum(q x) + m sum(x),
+// with sum(x) per group computed once per call. Weight expansion dominates a single row (nothing
+// shares it), and this drops its multiply and add per weight; several independent channels keep
+// the FMA pipes busy. The result is the dequantised product to float32 rounding, not bit-equal to it.
+template <int NC>
+inline void tile_q4_row(const Q4& w, const float* __restrict x, int64_t n0, float* __restrict y) {
+  Q4::Channel ch[NC];
+  for (int c = 0; c < NC; ++c) ch[c] = w.channel(n0 + c);
+  __m256 acc[NC];
+  float macc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps(), macc[c] = 0.0f;
+  for (int64_t g = 0; g < w.G; ++g) {
+    const float* xg = x + g * GROUP;
+    const float xs = w.xsum[g];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      __m256 qv[4];
+      ch[c].nibbles(g, qv);
+      __m256 p = _mm256_mul_ps(qv[0], _mm256_loadu_ps(xg));
+      for (int i = 1; i < 4; ++i) p = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(xg + 8 * i), p);
+      const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(ch[c].dm[g])));  // [d, m, 0, 0]
+      acc[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), p, acc[c]);
+      macc[c] += _mm_cvtss_f32(_mm_movehdup_ps(f)) * xs;
+    }
+  }
+  for (int c = 0; c < NC; ++c) y[n0 + c] = hsum(acc[c]) + macc[c];
 }
 
 // Activations rounded to int8 per row and group of 32: q8[K] in the weights' nibble order per group
@@ -181,7 +216,7 @@ inline void tile_q8(const Q4& w, const Q8Rows& x, int64_t n0, float* __restrict 
 }
 
 // Tile shapes: channels x rows per pass for several rows, channels per pass for one row.
-constexpr int MULTI_NC = 2, MULTI_RB = 4, SINGLE_NC = 2;
+constexpr int MULTI_NC = 2, MULTI_RB = 4, SINGLE_NC = 8, ROW_NC = 8;
 
 template <int NC, int RB, typename W>
 inline void rows_tail(const W& w, const float* x, int64_t K, int64_t r, int64_t rest, int64_t n, float* y, int64_t N) {
@@ -239,14 +274,30 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const Q4 w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(dm.data_ptr<int32_t>()), K / GROUP};
   const int64_t R = x.size(0);
   float* yp = y.data_ptr<float>();
-  if (!q8) {
+  if (!q8 && R == 1) {
+    const float* xp = x.data_ptr<float>();
+    std::vector<float> xsum(K / GROUP);
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+      __m256 v = _mm256_loadu_ps(xp + g * GROUP);
+      for (int i = 1; i < 4; ++i) v = _mm256_add_ps(v, _mm256_loadu_ps(xp + g * GROUP + 8 * i));
+      xsum[g] = hsum(v);
+    }
+    Q4 wr = w;
+    wr.xsum = xsum.data();
+    at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t begin, int64_t end) {
+      int64_t n = begin * 4;
+      const int64_t n1 = std::min(end * 4, N);
+      for (; n + ROW_NC <= n1; n += ROW_NC) tile_q4_row<ROW_NC>(wr, xp, n, yp);
+      for (; n < n1; ++n) tile_q4_row<1>(wr, xp, n, yp);
+    });
+  } else if (!q8) {
     run(w, x.data_ptr<float>(), R, K, yp, N);
   } else if (R == 1) {
     const Q8Rows xq = q8_rows(x.data_ptr<float>(), 1, K, false);
     at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t begin, int64_t end) {
       int64_t n = begin * 4;
       const int64_t n1 = std::min(end * 4, N);
-      for (; n + 4 <= n1; n += 4) tile_q8<4>(w, xq, n, yp);
+      for (; n + ROW_NC <= n1; n += ROW_NC) tile_q8<ROW_NC>(w, xq, n, yp);
       for (; n < n1; ++n) tile_q8<1>(w, xq, n, yp);
     });
   } else {
