@@ -95,7 +95,9 @@ def run_runner(runner: BlockRunner, prompt_ids: list[int], mask: torch.Tensor, n
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--json", default="bench/results/decode.json", help="report path")
-    parser.add_argument("--weights", default="fp32,bf16,int8,int4", help="comma-separated weight formats")
+    parser.add_argument("--weights", default="fp32,bf16,int8,int4",
+                        help="comma-separated weight formats, each optionally FORMAT:DTYPE (activations, "
+                             "e.g. int4:bfloat16; default: what auto picks)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="rows of the batched dense run (0: skip it)")
@@ -141,7 +143,8 @@ def _cases(args) -> tuple[list[tuple], dict[str, BlockRunner], dict]:
     """The cases (name, format, mask or None for HF, batch), and per weight format its runner and model."""
     cases, runners, lms = [], {}, {}
     for fmt in [f for f in args.weights.split(",") if f]:
-        resolved, dtype = models.resolve_weights(fmt)
+        name, _, act = fmt.partition(":")
+        resolved, dtype = models.resolve_weights(name, act or "auto")
         lm = models.load(args.model, dtype=dtype, weights=resolved)
         lms[fmt] = lm
         runners[fmt] = BlockRunner(lm.model, max_batch=max(1, args.batch),
@@ -194,8 +197,8 @@ def _run_record(case: tuple, got: list[tuple[float, float]], runner: BlockRunner
 
 
 def _print_runs(runs: list[dict]) -> None:
-    print(f"{'run':<20}{'weights':>8}{'batch':>6}{'skip':>6}{'decode tok/s':>14}{'prefill tok/s':>15}"
+    print(f"{'run':<20}{'weights':>14}{'batch':>6}{'skip':>6}{'decode tok/s':>14}{'prefill tok/s':>15}"
           f"{'speedup':>9}{'ideal':>8}")
     for r in runs:
-        print(f"{r['name']:<20}{r['weights']:>8}{r['batch']:>6}{r['skip_ratio']:>6.2f}{r['decode_tok_s']:>14.2f}"
+        print(f"{r['name']:<20}{r['weights']:>14}{r['batch']:>6}{r['skip_ratio']:>6.2f}{r['decode_tok_s']:>14.2f}"
               f"{r['prefill_tok_s']:>15.1f}{r['speedup']:>9.3f}{r['ideal_speedup']:>8.3f}")
