@@ -84,6 +84,20 @@ def test_native_q4_kernel_with_int8_activations(rows):
 
 
 @native
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_native_kernels_give_a_row_the_same_bits_in_any_batch_of_several(fmt):
+    """From two rows up a row's output does not depend on the rows beside it: the register tiles
+    (up to 4 rows) and the expanded-weight tiles (5 and more) accumulate in the same order."""
+    w = _weight(n=80 if fmt == "int4" else 67, k=96, seed=3)  # channel tails in both tile kinds
+    lin = (weights.Int4Linear(weights.quantize_q4_1(w), None, torch.float32, native=True) if fmt == "int4"
+           else weights.Int8Linear(w, None, torch.float32, native=True))
+    x = torch.randn(19, 96)
+    whole = lin(x)
+    for rows in (slice(0, 2), slice(0, 4), slice(3, 6), slice(5, 17), slice(2, 19)):
+        assert torch.equal(lin(x[rows]), whole[rows]), rows
+
+
+@native
 @pytest.mark.parametrize("rows", [1, 4, 6, 16])
 def test_native_int8_kernel_is_its_dequantised_weight(rows):
     w = _weight(n=67, k=64, seed=rows)  # 67 channels: the one-channel tail of every pass

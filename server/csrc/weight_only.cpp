@@ -217,6 +217,7 @@ inline void tile_q8(const Q4& w, const Q8Rows& x, int64_t n0, float* __restrict 
 
 // Tile shapes: channels x rows per pass for several rows, channels per pass for one row.
 constexpr int MULTI_NC = 2, MULTI_RB = 4, SINGLE_NC = 8, ROW_NC = 8;
+constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run A/B: README, "Weight formats")
 
 template <int NC, int RB, typename W>
 inline void rows_tail(const W& w, const float* x, int64_t K, int64_t r, int64_t rest, int64_t n, float* y, int64_t N) {
@@ -228,9 +229,69 @@ inline void rows_tail(const W& w, const float* x, int64_t K, int64_t r, int64_t 
 
 // Channels [n0, n1) for all R rows: tiles of MULTI_NC channels x MULTI_RB rows, then the
 // remaining rows; a single row takes SINGLE_NC channels per pass.
+// Many rows: y[r0 .. r0+RB, n0 .. n0+NC] from weights already expanded to float32 (channel c of the
+// tile at wb + c * K). Each x vector is loaded once for NC channels and each weight vector once for
+// RB rows, so the FMAs, not the expansion or the loads, bound it. Per (row, channel) the products
+// accumulate in the order tile() uses, so both give the same bits.
+template <int NC, int RB, typename W>
+inline void tile_expanded(const W& w, const float* __restrict wb, const float* __restrict x, int64_t K, int64_t r0,
+                          int64_t n0, float* __restrict y, int64_t N) {
+  __m256 acc[NC][RB];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RB; ++r) acc[c][r] = _mm256_setzero_ps();
+  const float* xb = x + r0 * K;
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = _mm256_loadu_ps(wb + c * K + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m256 xv = _mm256_loadu_ps(xb + r * K + k);
+      for (int c = 0; c < NC; ++c) acc[c][r] = _mm256_fmadd_ps(wv[c], xv, acc[c][r]);
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RB; ++r) y[(r0 + r) * N + n0 + c] = hsum(acc[c][r]) * w.scale(n0 + c);
+}
+
+constexpr int EXP_NC = 3, EXP_RB = 4, EXP_BLOCK = 12;  // tile; channels expanded at a time (L1/L2-resident)
+
+template <int NC, int RB, typename W>
+inline void expanded_rows(const W& w, const float* wb, const float* x, int64_t K, int64_t R, int64_t n0, float* y,
+                          int64_t N) {
+  int64_t r = 0;
+  for (; r + RB <= R; r += RB) tile_expanded<NC, RB>(w, wb, x, K, r, n0, y, N);
+  const int64_t rest = R - r;
+  if (rest == 3) tile_expanded<NC, 3>(w, wb, x, K, r, n0, y, N);
+  if (rest == 2) tile_expanded<NC, 2>(w, wb, x, K, r, n0, y, N);
+  if (rest == 1) tile_expanded<NC, 1>(w, wb, x, K, r, n0, y, N);
+}
+
+// Channels [n0, n1) for R > EXPAND_ROWS rows: EXP_BLOCK channels at a time are expanded once into
+// a float32 buffer, then every row runs against it.
+template <typename W>
+void channels_expanded(const W& w, const float* x, int64_t R, int64_t K, float* y, int64_t N, int64_t n0,
+                       int64_t n1) {
+  std::vector<float> buf(EXP_BLOCK * K);
+  for (int64_t b = n0; b < n1; b += EXP_BLOCK) {
+    const int64_t nb = std::min<int64_t>(EXP_BLOCK, n1 - b);
+    for (int64_t c = 0; c < nb; ++c) {
+      const auto ch = w.channel(b + c);
+      for (int64_t g = 0; g < K / GROUP; ++g) {
+        __m256 wv[4];
+        ch.expand(g, wv);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(buf.data() + c * K + g * GROUP + 8 * i, wv[i]);
+      }
+    }
+    int64_t c = 0;
+    for (; c + EXP_NC <= nb; c += EXP_NC) expanded_rows<EXP_NC, EXP_RB>(w, buf.data() + c * K, x, K, R, b + c, y, N);
+    for (; c < nb; ++c) expanded_rows<1, EXP_RB>(w, buf.data() + c * K, x, K, R, b + c, y, N);
+  }
+}
+
 template <typename W>
 void channels(const W& w, const float* x, int64_t R, int64_t K, float* y, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
+  if (R > EXPAND_ROWS) return channels_expanded(w, x, R, K, y, N, n0, n1);
   if (R == 1) {
     for (; n + SINGLE_NC <= n1; n += SINGLE_NC) tile<SINGLE_NC, 1>(w, x, K, 0, n, y, N);
     for (; n < n1; ++n) tile<1, 1>(w, x, K, 0, n, y, N);
