@@ -82,7 +82,7 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    dtype = models.resolve_dtype(cfg.dtype, cfg.device)  # the encoder's
+    dtype = models.resolve_encoder_dtype(cfg.dtype, cfg.device)
     weights, lm_dtype = models.resolve_weights(cfg.weights, cfg.dtype, cfg.device)
     dtype_name = str(lm_dtype).removeprefix("torch.")
     lm = models.load(cfg.model, device=cfg.device, dtype=lm_dtype, weights=weights)
@@ -105,6 +105,7 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
         bank = MaskBank.load(path)
         bank.check_model(lm.fingerprint, runner.num_blocks)
         encoder = load_encoder(cfg.device, dtype)
+        log.info("routing encoder: %s", str(dtype).removeprefix("torch."))
         try:
             router = Router(bank, encoder, method=cfg.router, default_budget=cfg.budget)
             if cfg.adaptive_depth:

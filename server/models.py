@@ -54,6 +54,17 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if _cpu_has_amx() else torch.float32
 
 
+def resolve_encoder_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """The routing encoder's dtype: ``--dtype`` when given, else bfloat16 where matmuls run natively
+    in it (CUDA, AVX-512 BF16, AMX: half the route time, README "Engine") and float32 elsewhere.
+    It does not follow the LM's activations, which stay float32 around igserve's CPU kernels."""
+    from server import weights as wf
+
+    if name != "auto" or device.startswith("cuda"):
+        return resolve_dtype(name, device)
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & wf.cpu_features() else torch.float32
+
+
 def resolve_weights(weights: str, dtype: str = "auto", device: str = "cpu") -> tuple[str, torch.dtype]:
     """(weight format, activation dtype). ``weights=auto`` with an explicit ``dtype`` serves plain
     weights in that dtype, as before formats existed; with ``dtype=auto`` it picks the format by CPU

@@ -20,6 +20,17 @@ def test_resolve_dtype_names_and_auto(monkeypatch):
         models.resolve_dtype("int3")
 
 
+def test_encoder_dtype_is_bfloat16_where_the_cpu_computes_in_it(monkeypatch):
+    from server import weights
+
+    monkeypatch.setattr(weights, "cpu_features", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert models.resolve_encoder_dtype("auto") is torch.bfloat16
+    assert models.resolve_encoder_dtype("float32") is torch.float32
+    monkeypatch.setattr(weights, "cpu_features", lambda: {"avx2", "fma"})
+    assert models.resolve_encoder_dtype("auto") is torch.float32
+    assert models.resolve_encoder_dtype("bfloat16") is torch.bfloat16
+
+
 def test_load_casts_weights_and_keeps_the_fp32_fingerprint(tiny_model_dir, tiny):
     half = models.load(str(tiny_model_dir), dtype=torch.bfloat16)
     assert half.model.lm_head.weight.dtype == torch.bfloat16
