@@ -188,14 +188,28 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
       const float *kb = kc + base, *vb = vc + base;
       p.resize(n);
       float best = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+      // four positions at a time: independent FMA chains (one chain per position waits on FMA
+      // latency), each dot product still summed in the same order as one at a time
+      for (; j + 4 <= n; j += 4) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t i = 0; i < D; i += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + i);
+          for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (j + u) * D + i), acc[u]);
+        }
+        for (int u = 0; u < 4; ++u) {
+          p[j + u] = hsum(acc[u]) * fscale;
+          best = std::max(best, p[j + u]);
+        }
+      }
+      for (; j < n; ++j) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kb + j * D + i), acc);
         p[j] = hsum(acc) * fscale;
         best = std::max(best, p[j]);
       }
       __m256 total8 = _mm256_setzero_ps();
-      int64_t j = 0;
+      j = 0;
       for (; j + 8 <= n; j += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), _mm256_set1_ps(best)));
         _mm256_storeu_ps(p.data() + j, e);
@@ -205,7 +219,17 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
       for (; j < n; ++j) total += (p[j] = exp1(p[j] - best));
       const __m256 inv = _mm256_set1_ps(1.0f / total);
       float* out = ap + m * hq * D + head * D;
-      for (int64_t i = 0; i < D; i += 8) {
+      int64_t i = 0;
+      for (; i + 64 <= D; i += 64) {  // 8 output vectors per pass over the positions: 8 independent chains
+        __m256 acc[8];
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const __m256 pj = _mm256_set1_ps(p[jj]);
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vb + jj * D + i + 8 * u), acc[u]);
+        }
+        for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, _mm256_mul_ps(acc[u], inv));
+      }
+      for (; i < D; i += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t jj = 0; jj < n; ++jj) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), _mm256_loadu_ps(vb + jj * D + i), acc);
         _mm256_storeu_ps(out + i, _mm256_mul_ps(acc, inv));
