@@ -84,6 +84,9 @@ def llama_bench(root: Path, files: dict[str, Path], tokens: int) -> dict[str, fl
     return out
 
 
+WARMUP_REQUESTS = 16
+
+
 def start_llama(root: Path, gguf: Path, max_clients: int, ctx_per_slot: int) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [str(root / "build" / "bin" / "llama-server"), "-m", str(gguf), "-t", "2", "--parallel", str(max_clients),
@@ -99,8 +102,12 @@ async def clients_against(url: str, modes: list[str], args, client_counts: list[
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         runs = []
-        for mode in modes:  # warm-up
-            await run_clients(http, model, prompts, mode, 1, 1, 4)
+        # Warm-up, alike for every server: one-time costs, and the prompt caches a server in use
+        # has warm (llama-server's slots; igserve's prefixes, one per mask the router picks). The
+        # prompts are the file's last ones, which the one-client run does not measure.
+        warm = prompts[-WARMUP_REQUESTS:]
+        for mode in modes:
+            await run_clients(http, model, warm, mode, 1, len(warm), 4)
         for clients in client_counts:
             for mode in modes:
                 run = await run_clients(http, model, prompts, mode, clients, args.requests_per_client, args.max_tokens)
@@ -205,6 +212,7 @@ def run(args) -> int:
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags()},
         "config": {"clients": client_counts, "requests_per_client": args.requests_per_client,
                    "max_tokens": args.max_tokens, "ignore_eos": True, "prompts": str(args.prompts),
+                   "warmup": f"{WARMUP_REQUESTS} requests per mode (the last prompts of the file), 4 tokens each",
                    "igserve": {"weights": health.get("weights"), "kernels": health.get("kernels"), "dtype": health.get("dtype"),
                                "routing": health.get("routing"), "bank": args.bank},
                    "llama_server": "-t 2 --parallel 16 --threads-http 40 (loopback)",
