@@ -56,7 +56,7 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
 
 def resolve_encoder_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """The routing encoder's dtype: ``--dtype`` when given, else bfloat16 where matmuls run natively
-    in it (CUDA, AVX-512 BF16, AMX: half the route time, README "Engine") and float32 elsewhere.
+    in it (CUDA, AVX-512 BF16, AMX: half the route time, README "Serving") and float32 elsewhere.
     It does not follow the LM's activations, which stay float32 around igserve's CPU kernels."""
     from server import weights as wf
 

@@ -22,6 +22,8 @@ paths (torch's tinygemm int4 kernel; int8 as a dequantising matmul) are untested
 
 from __future__ import annotations
 
+import functools
+
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +183,8 @@ class Int4Linear(_WeightOnlyLinear):
         shapes packs the same as the whole; otherwise the parts run one after another."""
         if parts[0].native:
             return _stacked(cls, parts, {"qs": 0, "dm": 0, "bias": 0})
-        if not _torch_int4_rows_stack([p.out_features for p in parts], parts[0].in_features, parts[0].packed.device):
+        if not _torch_int4_rows_stack(tuple(p.out_features for p in parts), parts[0].in_features,
+                                      str(parts[0].packed.device)):
             return Concat(parts)
         return _stacked(cls, parts, {"packed": 0, "scales_zeros": 1, "bias": 0})
 
@@ -252,7 +255,8 @@ def _torch_int4_pack(q: torch.Tensor, device) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
 
 
-def _torch_int4_rows_stack(rows: list[int], k: int, device) -> bool:
+@functools.lru_cache(maxsize=None)
+def _torch_int4_rows_stack(rows: tuple[int, ...], k: int, device: str) -> bool:
     """Whether torch's packing of parts with these row counts, stacked, equals its packing of the whole."""
     q = torch.randint(0, 16, (sum(rows), k), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     stacked = torch.cat([_torch_int4_pack(part, device) for part in q.split(rows)])

@@ -1,8 +1,8 @@
 // Weight-only linears for CPUs with AVX2 + FMA: y[R, N] = x[R, K] W^T with float32 activations.
 //
-// Each weight group of 32 is expanded to float32 in registers once per output row and reused by
-// every input row of the call, so one kernel serves decode (R = 1..16, bound by reading weights)
-// and prefill chunks (R in the hundreds, bound by FMAs). Weights are exactly what the formats
+// Expanding the weights to float32 is most of the work, so each weight is expanded once per call:
+// in registers for up to 4 rows, into a float32 buffer of 12 channels that every row reuses for
+// more (batched decode, prefill chunks); one row factors the product instead. Weights are exactly what the formats
 // store: Q4_1 groups (w = d*q + m, rounded as q*d then + m, as the float reference does; a single
 // row factors the product instead, see tile_q4_row) and int8 per output channel (w = s*q, scaled
 // after the dot product).
@@ -25,7 +25,7 @@ namespace {
 
 constexpr int64_t GROUP = 32;
 // bytes ahead in a channel's weights that one-row tiles prefetch: eight channels read side by side
-// outrun the hardware prefetcher (README, "Weight formats")
+// outrun the hardware prefetcher (README, "Benchmarks")
 constexpr int64_t PF = 128;
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -45,8 +45,8 @@ struct Q4 {
   struct Channel {
     const uint8_t* q;
     const uint32_t* dm;
-    // the nibbles of group g as float32, in the order expand() produces them
     inline void prefetch(int64_t g) const { _mm_prefetch(reinterpret_cast<const char*>(q + g * 16 + PF), _MM_HINT_T0); }
+    // the nibbles of group g as float32, in the order expand() produces them
     inline void nibbles(int64_t g, __m256 w[4]) const {
       const __m256i low = _mm256_set1_epi32(15);
       for (int h = 0; h < 2; ++h) {
@@ -225,7 +225,7 @@ inline void tile_q8(const Q4& w, const Q8Rows& x, int64_t n0, float* __restrict 
 
 // Tile shapes: channels x rows per pass for several rows, channels per pass for one row.
 constexpr int MULTI_NC = 2, MULTI_RB = 4, SINGLE_NC = 8, ROW_NC = 8;
-constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run A/B: README, "Weight formats")
+constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run A/B: README, "Benchmarks")
 
 template <int NC, int RB, typename W>
 inline void rows_tail(const W& w, const float* x, int64_t K, int64_t r, int64_t rest, int64_t n, float* y, int64_t N) {
@@ -235,8 +235,6 @@ inline void rows_tail(const W& w, const float* x, int64_t K, int64_t r, int64_t 
   }
 }
 
-// Channels [n0, n1) for all R rows: tiles of MULTI_NC channels x MULTI_RB rows, then the
-// remaining rows; a single row takes SINGLE_NC channels per pass.
 // Many rows: y[r0 .. r0+RB, n0 .. n0+NC] from weights already expanded to float32 (channel c of the
 // tile at wb + c * K). Each x vector is loaded once for NC channels and each weight vector once for
 // RB rows, so the FMAs, not the expansion or the loads, bound it. Per (row, channel) the products
@@ -296,6 +294,9 @@ void channels_expanded(const W& w, const float* x, int64_t R, int64_t K, float* 
   }
 }
 
+// Channels [n0, n1) for all R rows: the expanded path from EXPAND_ROWS + 1 rows, else tiles of
+// MULTI_NC channels x MULTI_RB rows, then the remaining rows; a single row takes SINGLE_NC
+// channels per pass.
 template <typename W>
 void channels(const W& w, const float* x, int64_t R, int64_t K, float* y, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
