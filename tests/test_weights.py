@@ -46,34 +46,36 @@ native = pytest.mark.skipif(not cpu_kernels.available(), reason="igserve's CPU k
 
 
 @native
+@pytest.mark.parametrize("k", [96, 320])  # 3 groups; 10: the one-row min term's 8-group steps and tail
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 17, 64])
-def test_native_q4_kernel_is_the_q4_1_dequantisation(rows):
+def test_native_q4_kernel_is_the_q4_1_dequantisation(rows, k):
     """Every tile shape and tail (rows per pass, channels per pass) against the float64 product."""
-    g = weights.quantize_q4_1(_weight(n=80, k=96, seed=rows))
+    g = weights.quantize_q4_1(_weight(n=80, k=k, seed=rows))
     qs, dm = cpu_kernels.pack_q4(g.q), cpu_kernels.pack_dm(g.d, g.m)
     assert torch.equal(cpu_kernels.unpack_q4(qs), g.q.to(torch.uint8))
     assert all(torch.equal(a, b) for a, b in zip(cpu_kernels.unpack_dm(dm), (g.d, g.m)))
-    x = torch.randn(rows, 96)
+    x = torch.randn(rows, k)
     ref = (x.double() @ g.dequantize().double().T).float()
     torch.testing.assert_close(cpu_kernels.q4_linear(x, qs, dm), ref, rtol=1e-5, atol=1e-5)
     lin = weights.Int4Linear(g, torch.randn(80), torch.float32, native=True)
-    torch.testing.assert_close(lin(x.view(rows, 1, 96)), (ref + lin.bias).view(rows, 1, 80), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x.view(rows, 1, k)), (ref + lin.bias).view(rows, 1, 80), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin.dequantized(), g.dequantize(), rtol=0, atol=0)
 
 
 @native
+@pytest.mark.parametrize("k", [128, 320])
 @pytest.mark.parametrize("rows", [1, 2, 5, 17])
-def test_native_q4_kernel_with_int8_activations(rows):
+def test_native_q4_kernel_with_int8_activations(rows, k):
     """q8: the product of the Q4_1 weights with the activations rounded per group of 32
     (``round_q8``), for one row (integer dot products, every channel tail) and several (float
     kernel on the rounded rows); each row's result is the same whatever rows share the call."""
-    g = weights.quantize_q4_1(_weight(n=83, k=128, seed=rows))
+    g = weights.quantize_q4_1(_weight(n=83, k=k, seed=rows))
     qs, dm = cpu_kernels.pack_q4(g.q), cpu_kernels.pack_dm(g.d, g.m)
-    x = torch.randn(rows, 128)
+    x = torch.randn(rows, k)
     x[:, 5] *= 30  # an outlier sets its group's scale
     rounded = cpu_kernels.round_q8(x)
-    step = x.view(rows, 4, 32).abs().amax(-1, keepdim=True) / 127
-    assert (rounded - x).view(rows, 4, 32).abs().le(step / 2 + 1e-6).all()
+    step = x.view(rows, k // 32, 32).abs().amax(-1, keepdim=True) / 127
+    assert (rounded - x).view(rows, k // 32, 32).abs().le(step / 2 + 1e-6).all()
     ref = (rounded.double() @ g.dequantize().double().T).float()
     got = cpu_kernels.q4_linear(x, qs, dm, True)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
