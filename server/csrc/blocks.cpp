@@ -44,6 +44,20 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// [sum(v[0]), ..., sum(v[7])]
+inline __m256 hsum8(const __m256 v[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
 float exp1(float x) {
   alignas(32) float v[8] = {x};
   _mm256_store_ps(v, exp8(_mm256_load_ps(v)));
@@ -189,19 +203,22 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
       p.resize(n);
       float best = -INFINITY;
       int64_t j = 0;
-      // four positions at a time: independent FMA chains (one chain per position waits on FMA
-      // latency), each dot product still summed in the same order as one at a time
-      for (; j + 4 <= n; j += 4) {
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      // eight positions at a time: independent FMA chains (one chain per position waits on FMA
+      // latency), reduced together by one transposing horizontal add
+      __m256 best8 = _mm256_set1_ps(-INFINITY);
+      const __m256 vscale = _mm256_set1_ps(fscale);
+      for (; j + 8 <= n; j += 8) {
+        __m256 acc[8];
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
         for (int64_t i = 0; i < D; i += 8) {
           const __m256 qv = _mm256_loadu_ps(q + i);
-          for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (j + u) * D + i), acc[u]);
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (j + u) * D + i), acc[u]);
         }
-        for (int u = 0; u < 4; ++u) {
-          p[j + u] = hsum(acc[u]) * fscale;
-          best = std::max(best, p[j + u]);
-        }
+        const __m256 sc = _mm256_mul_ps(hsum8(acc), vscale);
+        _mm256_storeu_ps(p.data() + j, sc);
+        best8 = _mm256_max_ps(best8, sc);
       }
+      best = std::max(best, hmax(best8));
       for (; j < n; ++j) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kb + j * D + i), acc);
