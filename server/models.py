@@ -62,7 +62,7 @@ def resolve_encoder_dtype(name: str, device: str = "cpu") -> torch.dtype:
 
     if name != "auto" or device.startswith("cuda"):
         return resolve_dtype(name, device)
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & wf.cpu_features() else torch.float32
+    return torch.bfloat16 if wf.native_bf16() else torch.float32
 
 
 def resolve_weights(weights: str, dtype: str = "auto", device: str = "cpu") -> tuple[str, torch.dtype]:

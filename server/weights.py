@@ -23,7 +23,6 @@ paths (torch's tinygemm int4 kernel; int8 as a dequantising matmul) are untested
 from __future__ import annotations
 
 import functools
-
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -383,9 +382,14 @@ def activation_dtype(fmt: str, device: str = "cpu") -> torch.dtype:
 
     if device.startswith("cuda"):
         return torch.bfloat16
-    if cpu_kernels.available() or not {"avx512_bf16", "amx_bf16"} & cpu_features():
+    if cpu_kernels.available() or not native_bf16():
         return torch.float32
     return torch.bfloat16
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 (AVX-512 BF16 or AMX) rather than emulating it."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_features())
 
 
 def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:

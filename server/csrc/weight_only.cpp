@@ -2,10 +2,10 @@
 //
 // Expanding the weights to float32 is most of the work, so each weight is expanded once per call:
 // in registers for up to 4 rows, into a float32 buffer of 12 channels that every row reuses for
-// more (batched decode, prefill chunks); one row factors the product instead. Weights are exactly what the formats
-// store: Q4_1 groups (w = d*q + m, rounded as q*d then + m, as the float reference does; a single
-// row factors the product instead, see tile_q4_row) and int8 per output channel (w = s*q, scaled
-// after the dot product).
+// more (batched decode, prefill chunks). Weights are exactly what the formats store: Q4_1 groups
+// (w = d*q + m, rounded as q*d then + m, as the float reference does; a single row factors the
+// product instead, see tile_q4_row) and int8 per output channel (w = s*q, scaled after the dot
+// product).
 //
 // q8 (Q4_1 only): the activations are first rounded per row and group of 32 to int8 with one
 // float scale (absmax / 127), as llama.cpp's Q8_1 does. A single row then runs integer dot
@@ -17,6 +17,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "weight_only.h"
@@ -237,6 +238,18 @@ inline void tile_q8(const Q4& w, const Q8Rows& x, int64_t n0, float* __restrict 
 constexpr int MULTI_NC = 2, MULTI_RB = 4, SINGLE_NC = 8, ROW_NC = 8;
 constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run A/B: README, "Benchmarks")
 
+// One row, channels split across threads in blocks of 4: ROW_NC channels per tile call, then one
+// at a time; tile(std::integral_constant<int, NC>, n) runs NC channels from n.
+template <typename Tile>
+void one_row(int64_t N, Tile&& tile) {
+  at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t begin, int64_t end) {
+    int64_t n = begin * 4;
+    const int64_t n1 = std::min(end * 4, N);
+    for (; n + ROW_NC <= n1; n += ROW_NC) tile(std::integral_constant<int, ROW_NC>{}, n);
+    for (; n < n1; ++n) tile(std::integral_constant<int, 1>{}, n);
+  });
+}
+
 template <int NC, int RB, typename W>
 inline void rows_tail(const W& w, const float* x, int64_t K, int64_t r, int64_t rest, int64_t n, float* y, int64_t N) {
   if constexpr (RB > 1) {
@@ -364,22 +377,12 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
     }
     Q4 wr = w;
     wr.xsum = xsum.data();
-    at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t begin, int64_t end) {
-      int64_t n = begin * 4;
-      const int64_t n1 = std::min(end * 4, N);
-      for (; n + ROW_NC <= n1; n += ROW_NC) tile_q4_row<ROW_NC>(wr, xp, n, yp);
-      for (; n < n1; ++n) tile_q4_row<1>(wr, xp, n, yp);
-    });
+    one_row(N, [&](auto nc, int64_t n) { tile_q4_row<decltype(nc)::value>(wr, xp, n, yp); });
   } else if (!q8) {
     run(w, x.data_ptr<float>(), R, K, yp, N);
   } else if (R == 1) {
     const Q8Rows xq = q8_rows(x.data_ptr<float>(), 1, K, false);
-    at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t begin, int64_t end) {
-      int64_t n = begin * 4;
-      const int64_t n1 = std::min(end * 4, N);
-      for (; n + ROW_NC <= n1; n += ROW_NC) tile_q8<ROW_NC>(w, xq, n, yp);
-      for (; n < n1; ++n) tile_q8<1>(w, xq, n, yp);
-    });
+    one_row(N, [&](auto nc, int64_t n) { tile_q8<decltype(nc)::value>(w, xq, n, yp); });
   } else {
     const Q8Rows xq = q8_rows(x.data_ptr<float>(), R, K, true);
     run(w, xq.x.data(), R, K, yp, N);
