@@ -218,7 +218,7 @@ def run(args) -> int:
                    "llama_server": "-t 2 --parallel 16 --threads-http 40 (loopback)",
                    "llama_cpp_source": _source_tree(root).parent.name if formats else None},
         "wall_s": round(time.time() - started, 1),
-        "command": "igserve bench compare " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "compare"] else []),
+        "command": args.invocation,
     }
     print(json.dumps(result["acceptance"], indent=1))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

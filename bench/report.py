@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-METHOD_ORDER = ("dense", "ig", "static_l0", "shortgpt", "greedy", "random", "oracle", "ig_ood")
+METHOD_ORDER = ("dense", "ig", "ig_centroid", "static_l0", "shortgpt", "greedy", "random", "oracle", "ig_ood")
 
 
 def add_arguments(parser) -> None:

@@ -46,6 +46,8 @@ class Sample:
     skip_ratio: float | None = None
     budget: float | None = None
     adaptive: bool = False  # admitted at a sparser budget by the server's --adaptive-depth
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details: prompt tokens the prefix cache held
     error: str | None = None
 
 
@@ -72,8 +74,10 @@ async def stream_chat(http: httpx.AsyncClient, model: str, prompt: str, mask: st
                 if info:
                     sample.router_ms, sample.skip_ratio = info["router_ms"], info["skip_ratio"]
                     sample.budget, sample.adaptive = info.get("budget"), bool(info.get("adaptive"))
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"]["completion_tokens"]
+                if usage := chunk.get("usage"):
+                    usage_tokens = usage["completion_tokens"]
+                    sample.prompt_tokens = usage.get("prompt_tokens")
+                    sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     last = time.perf_counter()
                     first = first or last
@@ -119,10 +123,17 @@ async def run_clients(http, model: str, prompts: list[str], mode: str, clients: 
         "skip_ratio_mean": mean([s.skip_ratio for s in ok]),
         "budget_mean": mean([s.budget for s in ok]),
         "adaptive_share": round(sum(s.adaptive for s in ok) / len(ok), 4) if ok else None,
+        "prompt_cached_share": _cached_share(ok),
         "requests": len(samples), "errors": len(samples) - len(ok),
         "output_tokens": sum(s.tokens for s in ok), "wall_s": round(wall, 2),
         "error_examples": sorted({s.error for s in samples if s.error})[:3],
     }
+
+
+def _cached_share(samples: list[Sample]) -> float | None:
+    """Share of the prompt tokens the server's prefix cache held (None: the server does not say)."""
+    known = [s for s in samples if s.cached_tokens is not None and s.prompt_tokens]
+    return round(sum(s.cached_tokens for s in known) / sum(s.prompt_tokens for s in known), 4) if known else None
 
 
 def acceptance(runs: list[dict]) -> dict:

@@ -56,14 +56,11 @@ def measure(bank: MaskBank, texts: list[str], batch: int, rounds: int, seed: int
     return out
 
 
-def main() -> int:
+def run(args: argparse.Namespace) -> int:
     from server.weights import cpu_flags
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args()
     texts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
-    report = {"command": " ".join(["python -m masks.batching", *sys.argv[1:]]), "prompts": str(args.prompts),
+    report = {"command": args.invocation, "prompts": str(args.prompts),
               "n_prompts": len(texts), "batch": args.batch, "rounds": args.rounds, "cpu_flags": cpu_flags(),
               "banks": {str(p): measure(MaskBank.load(p), texts, args.batch, args.rounds, args.seed) for p in args.banks}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -76,4 +73,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from server.cli import run_module
+
+    raise SystemExit(run_module(sys.modules[__name__], sys.argv[1:]))

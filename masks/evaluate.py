@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -282,8 +283,6 @@ def seed_from_reports(reports: list[Path], cache: Path, fingerprint: str, max_le
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     from router.encoder import embed
     from server import models
     from server.runner import BlockRunner
@@ -302,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     routes = route_methods(bank, emb, s)
     report = {"bank": str(args.bank), "model": lm.name, "weights": lm.weights, "data": str(args.data),
               "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,
-              "command": " ".join(["python -m masks.evaluate", *sys.argv[1:]]), "cpu_flags": cpu_flags(),
+              "command": args.invocation, "cpu_flags": cpu_flags(),
               "router": bank.router.get("kind", "centroid"), "ood": bank.ood, "masks_seeded_from_reports": seeded}
     report.update(evaluate_bank(runner, lm.tokenizer, bank, domains, routes, args.max_len, args.batch_size, args.seed,
                                 s, args.cache, lm.fingerprint))
@@ -311,3 +310,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report))
     print(f"wrote {args.json}{' and ' + str(args.plot) if args.plot else ''} in {report['seconds']:.0f} s")
     return 0
+
+
+if __name__ == "__main__":
+    from server.cli import run_module
+
+    raise SystemExit(run_module(sys.modules[__name__], sys.argv[1:]))

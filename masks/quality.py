@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     bank.check_model(lm.fingerprint, 2 * lm.model.config.num_hidden_layers)
     extra = [float(s) for s in args.extra_static.split(",") if s]
     questions = chat_prompts(args.data, args.prompts, args.seed)
-    report = {"command": " ".join(["python -m masks.quality", *sys.argv[1:]]), "bank": str(args.bank),
+    report = {"command": args.invocation, "bank": str(args.bank),
               "model": lm.name, "dtype": str(lm.model.dtype).removeprefix("torch."), "tokens": args.tokens,
               "cpu_flags": cpu_flags(),
               **evaluate(lm, bank, questions, args.tokens, extra, [float(b) for b in args.budgets.split(",")]

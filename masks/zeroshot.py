@@ -9,15 +9,21 @@ to its slot; logits are taken at the continuation's positions only, in the model
 (``--dtype``; bfloat16 on CPUs with AMX is ~5x the fp32 throughput), and log-softmaxed in
 float32. The per-mask scores then give each method:
 
-* dense, static_l0, shortgpt, greedy: one mask for every example;
-* ig: the mask of the nearest centroid to the context (the choices' shared context for partial
-  scoring), as the server routes a prompt;
+* dense and the static baselines (static_l0, shortgpt, greedy): one mask for every example;
+* ig: the bank's router on the context (the choices' shared context for partial scoring), as the
+  server routes a prompt: nearest centroid for a one-budget bank, the learned router for a
+  format-2 bank (``--budget`` picks which of its budgets);
+* ig_centroid (format-2 banks): the nearest centroid's cluster mask, the paper's router;
+* ig_ood: nearest centroid, except that a context farther from its centroid than a threshold gets
+  the global greedy mask. A format-2 bank holds the threshold (what ``--router centroid`` serves);
+  for a one-budget bank ``--ood-quantile q`` sets it from the calibration documents' distances
+  (an experiment, not what the server does);
 * random: a seeded, uniformly random cluster mask per example (a control for routing);
-* ig_ood (with ``--ood-quantile q``, an experiment, not what the server does): IG, except that a
-  context farther from its nearest centroid than the q-quantile of the bank's calibration
-  documents' distances to theirs gets the global greedy mask;
 * oracle: the cluster mask that ranks the gold choice highest above the best wrong one, per
   metric (a bound: it peeks at the labels; correct whenever any cluster mask is).
+
+Only the (example, mask) pairs some method uses are scored, so a run without the oracle scores a
+few masks per example rather than all of them.
 
 acc picks the choice with the highest summed log-likelihood; acc_norm divides it by the number of
 characters of the continuation (oe-eval's acc_per_char, lm-eval's acc_norm). Intervals are
@@ -54,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", default=models.DEFAULT_MODEL, help="packaged model name or HF directory")
     parser.add_argument("--bank", type=Path, required=True, help="mask bank JSON")
+    parser.add_argument("--budget", type=float, help="budget of a format-2 bank to evaluate (default: its sparsity)")
+    parser.add_argument("--methods", help="comma-separated methods to report (default: all the bank supports); "
+                                          "leaving out oracle and random scores far fewer masks")
     parser.add_argument("--tasks", default=",".join(ZEROSHOT_TASKS), help="comma-separated oe-eval task names")
     parser.add_argument("--limit", type=int, help="seeded random sample of at most N documents per task")
     parser.add_argument("--json", type=Path, required=True, help="report to write")
@@ -63,9 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", type=Path, help="folder of per-(document, mask) scores to reuse and extend")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--ood-quantile", type=float,
-                        help="also report ig_ood: IG with the global greedy mask for contexts farther from their "
-                             "centroid than this quantile of the calibration documents' distances (needs the "
-                             "bank's calibration corpus)")
+                        help="one-budget banks: also report ig_ood, IG with the global greedy mask for contexts "
+                             "farther from their centroid than this quantile of the calibration documents' distances "
+                             "(needs the bank's calibration corpus); format-2 banks hold their own threshold")
     parser.add_argument("--dtype", default="auto", choices=models.DTYPES,
                         help="weights and scoring (auto: bfloat16 on CUDA and on CPUs with AMX, else float32)")
 
@@ -194,10 +203,12 @@ def _mask_key(mask: torch.Tensor) -> str:
 
 
 def cached_loglikelihoods(lm, examples: list[MCExample], masks: torch.Tensor, cache: Path | None,
-                          batch_tokens: int = BATCH_TOKENS, desc: str = "score") -> tuple[np.ndarray, int]:
+                          batch_tokens: int = BATCH_TOKENS, desc: str = "score",
+                          needed: list[set[int]] | None = None) -> tuple[np.ndarray, int]:
     """``loglikelihoods`` of one task's examples, reading and appending per-(doc_id, mask) results in
     ``cache/<model fingerprint>/<dtype>/<task>.jsonl``, so other banks (dense, shared masks) and reruns
-    with a larger --limit score only what is new. Returns the [E, U, K] scores and positions computed."""
+    with a larger --limit score only what is new. ``needed[i]``: the mask rows example i is scored
+    under (default: all); the others are NaN. Returns the [E, U, K] scores and positions computed."""
     dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
     path = cache / lm.fingerprint.replace(":", "-") / dtype / f"{examples[0].task}.jsonl" if cache else None
     known = {}
@@ -206,18 +217,23 @@ def cached_loglikelihoods(lm, examples: list[MCExample], masks: torch.Tensor, ca
             known = {(row["doc_id"], row["mask"]): row["ll"] for row in map(json.loads, f)}
     keys = [_mask_key(m) for m in masks]
     out = np.full((len(examples), len(masks), max(len(e.contexts) for e in examples)), -np.inf)
-    missing: dict[tuple[int, ...], list[int]] = {}  # mask rows to score -> examples that lack them
+    missing: dict[int, list[int]] = {}  # mask row -> the examples that lack it
     for i, e in enumerate(examples):
+        rows = set(range(len(masks))) if needed is None else needed[i]
         for u, key in enumerate(keys):
-            if (e.doc_id, key) in known:
+            if u not in rows:
+                out[i, u] = np.nan
+            elif (e.doc_id, key) in known:
                 out[i, u, : len(e.contexts)] = known[(e.doc_id, key)]
-        rows = tuple(u for u, key in enumerate(keys) if (e.doc_id, key) not in known)
-        if rows:
-            missing.setdefault(rows, []).append(i)
+            else:
+                missing.setdefault(u, []).append(i)
+    batches: dict[tuple[int, ...], list[int]] = {}  # examples -> the mask rows they all lack: one call each
+    for u, idx in sorted(missing.items()):
+        batches.setdefault(tuple(idx), []).append(u)
     computed = 0
-    for rows, idx in missing.items():
-        scores, n = loglikelihoods(lm.model, lm.tokenizer, [examples[i] for i in idx], masks[list(rows)],
-                                   batch_tokens, desc)
+    for n_done, (idx, rows) in enumerate(batches.items()):
+        scores, n = loglikelihoods(lm.model, lm.tokenizer, [examples[i] for i in idx], masks[rows], batch_tokens,
+                                   f"{desc} {n_done + 1}/{len(batches)}")
         out[np.ix_(idx, rows, range(scores.shape[2]))] = scores
         computed += n
         if path:
@@ -233,14 +249,37 @@ def cached_loglikelihoods(lm, examples: list[MCExample], masks: torch.Tensor, ca
 # ----------------------------------------------------------------------------- methods and metrics
 
 
-def unique_masks(bank: MaskBank, static: list[str]) -> tuple[torch.Tensor, dict[str, int]]:
-    """Distinct masks [U, B] of dense, the static baselines and the cluster masks; name -> row."""
+def unique_masks(bank: MaskBank, ids: list[str]) -> tuple[torch.Tensor, dict[str, int]]:
+    """Distinct masks [U, B] of dense and the given mask ids (deduplicated by bits); id -> row."""
     rows: dict[tuple, int] = {}
     index = {}
-    for name in (DENSE, *static, *bank.mask_ids):
+    for name in (DENSE, *ids):
         bits = tuple(bank.mask(name).tolist())
         index[name] = rows.setdefault(bits, len(rows))
     return torch.tensor(list(rows), dtype=torch.bool), index
+
+
+def routes(bank: MaskBank, texts: list[str], sparsity: float, ood_distance: float | None = None) -> dict[str, list[str]]:
+    """Mask id per routing text of every routing method: ig as the server routes; for a format-2
+    bank also ig_centroid and ig_ood (its centroid router with the bank's threshold); for a
+    one-budget bank ig_ood at ``ood_distance`` when given."""
+    from masks.evaluate import route_methods
+    from router.encoder import embed
+    from router.router import Router
+
+    emb = embed(texts)
+    n = len(texts)
+    by_method = route_methods(bank, emb, sparsity)
+    out = {"ig": by_method["ig"]}
+    if bank.budgets:
+        out["ig_centroid"] = by_method["ig_centroid"]
+        if bank.ood.get("distance") is not None and bank.global_id(sparsity) is not None:
+            centroid = Router(bank, method="centroid").route_embedded(emb, [sparsity] * n, [None] * n)
+            out["ig_ood"] = [r.mask_id for r in centroid]
+    elif ood_distance is not None and "greedy" in bank.baselines:
+        nearest = Router(bank, method="centroid", ood=False).route_embedded(emb, [sparsity] * n, [None] * n)
+        out["ig_ood"] = ["greedy" if r.distance > ood_distance else r.mask_id for r in nearest]
+    return out
 
 
 def predictions(ll: np.ndarray, examples: list[MCExample]) -> dict[str, np.ndarray]:
@@ -258,20 +297,20 @@ def predictions(ll: np.ndarray, examples: list[MCExample]) -> dict[str, np.ndarr
     return out
 
 
-def choices(methods: list[str], bank: MaskBank, index: dict[str, int], margins: dict[str, np.ndarray],
-            routes: list[str], generator: torch.Generator, far: list[bool] | None = None) -> dict[str, dict[str, list[str]]]:
-    """Per method and metric, the mask id used for each example (``far``: contexts out of the
-    calibration distribution, for ig_ood)."""
-    n = len(routes)
-    clusters = bank.mask_ids
-    rows = [index[m] for m in clusters]
+def picks(methods: list[str], bank: MaskBank, sparsity: float, routed: dict[str, list[str]], n: int,
+          generator: torch.Generator) -> dict[str, list[str]]:
+    """Per method but the oracle, the mask id used for each of n examples (``routed``: ``routes``)."""
+    clusters = bank.cluster_ids(sparsity)
     rand = [clusters[i] for i in torch.randint(len(clusters), (n,), generator=generator).tolist()]
-    picks = {"ig": routes, "random": rand, **{m: [m] * n for m in methods if m in index}}
-    if far is not None:
-        picks["ig_ood"] = ["greedy" if f else r for r, f in zip(routes, far)]
-    out = {m: {metric: picks[m] for metric in METRICS} for m in methods if m != "oracle"}
-    out["oracle"] = {metric: [clusters[i] for i in margins[metric][:, rows].argmax(1)] for metric in METRICS}
-    return out
+    table = {DENSE: [DENSE] * n, **{name: [m] * n for name, m in bank.static_ids(sparsity).items()}, **routed,
+             "random": rand}
+    return {m: table[m] for m in methods if m != "oracle"}
+
+
+def oracle_picks(clusters: list[str], index: dict[str, int], margins: dict[str, np.ndarray]) -> dict[str, list[str]]:
+    """Per metric, the cluster mask with the largest gold margin for each example."""
+    rows = [index[m] for m in clusters]
+    return {metric: [clusters[i] for i in margins[metric][:, rows].argmax(1)] for metric in METRICS}
 
 
 def ci95(p: float, n: int) -> float:
@@ -289,51 +328,67 @@ def _paired(diffs: list[np.ndarray]) -> dict:
     return {"diff": sum(means) / len(means), "ci95": 1.96 * math.sqrt(var) / len(diffs)}
 
 
-def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], router, seed: int = 0,
-             batch_tokens: int = BATCH_TOKENS, cache: Path | None = None, ood_distance: float | None = None) -> dict:
-    """Score every task under every distinct mask once, then aggregate each method (JSON-ready)."""
+def method_names(bank: MaskBank, sparsity: float, routed: dict[str, list[str]]) -> list[str]:
+    """Every method a run can report for this bank and budget, in report order."""
+    routing = [m for m in ("ig_centroid", "ig_ood") if m in routed]
+    return [DENSE, "ig", *routing, *bank.static_ids(sparsity), "oracle", "random"]
+
+
+def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], sparsity: float | None = None,
+             methods: list[str] | None = None, seed: int = 0, batch_tokens: int = BATCH_TOKENS,
+             cache: Path | None = None, ood_distance: float | None = None) -> dict:
+    """Route every task's contexts, score each example under the masks its methods use, then
+    aggregate each method (JSON-ready). ``methods``: a subset of ``method_names`` (default: all)."""
     from server.cost import CostModel
 
-    static = [m for m in STATIC if m in bank.baselines]
-    methods = [m for m in METHODS if m not in STATIC or m in static]
-    if ood_distance is not None and "greedy" in static:
-        methods.append("ig_ood")
-    masks, index = unique_masks(bank, static)
-    cost = CostModel.from_model(lm.model)
-    saved = np.array([cost.compute_saved(m) for m in masks])
-    skip = (~masks).float().mean(1).numpy()
+    s = bank.sparsity if sparsity is None else sparsity
+    static = bank.static_ids(s)
+    clusters = bank.cluster_ids(s)
     generator = torch.Generator().manual_seed(seed)
+    cost = CostModel.from_model(lm.model)
     outcomes: dict[str, dict[str, _Outcome]] = {}  # task -> method -> outcome
-    timing = {}
+    timing, distinct = {}, set()
     for task, exs in examples.items():
         start = time.perf_counter()
-        routed = router.route([e.routing_text for e in exs])
-        far = [r.distance > ood_distance for r in routed] if "ig_ood" in methods else None
-        ll, computed = cached_loglikelihoods(lm, exs, masks, cache, batch_tokens, desc=task)
+        routed = routes(bank, [e.routing_text for e in exs], s, ood_distance)
+        available = method_names(bank, s, routed)
+        chosen_methods = available if methods is None else [m for m in available if m in methods]
+        chosen = picks(chosen_methods, bank, s, routed, len(exs), generator)
+        ids = sorted({m for p in chosen.values() for m in p} | (set(clusters) if "oracle" in chosen_methods else set()))
+        masks, index = unique_masks(bank, ids)
+        needed = [{index[p[i]] for p in chosen.values()} | ({index[c] for c in clusters} if "oracle" in chosen_methods
+                                                            else set()) for i in range(len(exs))]
+        ll, computed = cached_loglikelihoods(lm, exs, masks, cache, batch_tokens, desc=task, needed=needed)
         margins = predictions(ll, exs)
-        picks = choices(methods, bank, index, margins, [r.mask_id for r in routed], generator, far)
-        outcomes[task] = {m: _Outcome.of(picks[m], margins, index, saved) for m in methods}
+        by_metric = {m: {metric: p for metric in METRICS} for m, p in chosen.items()}
+        if "oracle" in chosen_methods:
+            by_metric["oracle"] = oracle_picks(clusters, index, margins)
+        saved = np.array([cost.compute_saved(m) for m in masks])
+        outcomes[task] = {m: _Outcome.of(by_metric[m], margins, index, saved) for m in chosen_methods}
+        distinct |= {_mask_key(m) for m in masks}
         wall = time.perf_counter() - start
         timing[task] = {"wall_s": round(wall, 1), "positions_computed": computed,
                         "positions_per_s": round(computed / wall) if computed else None}
 
     tasks = list(examples)
-    report_methods = {m: _method_report({t: outcomes[t][m] for t in tasks}) for m in methods}
+    reported = list(outcomes[tasks[0]])
+    report_methods = {m: _method_report({t: outcomes[t][m] for t in tasks}) for m in reported}
     paired = {m: {metric: _paired([outcomes[t]["ig"].correct[metric].astype(float) - outcomes[t][m].correct[metric]
                                    for t in tasks])
                   for metric in METRICS}
-              for m in methods if m != "ig"}
+              for m in reported if m != "ig"}
+    used = sorted({i for r in report_methods.values() for per_task in r["masks_used"].values() for i in per_task})
     return {
-        "sparsity": bank.sparsity,
+        "sparsity": s,
         "metrics": {"acc": "argmax of the summed log-likelihood of the continuation",
                     "acc_norm": "argmax of log-likelihood / characters of the continuation (oe-eval acc_per_char)",
                     "ci95": "normal-approximation 95% half-width of acc_norm (ci95_acc: of acc)"},
         "methods": report_methods,
         "ig_minus": paired,
-        "masks": {name: {"skip_ratio": float(skip[row]), "compute_saved": float(saved[row])}
-                  for name, row in index.items()},
-        "distinct_masks": len(masks),
-        "summary": _summary(report_methods, static),
+        "masks": {m: {"skip_ratio": bank.skip_ratio(m), "compute_saved": cost.compute_saved(bank.mask(m))}
+                  for m in [DENSE, *(i for i in used if i != DENSE)]},
+        "distinct_masks": len(distinct),
+        "summary": _summary(report_methods, [m for m in static if m in report_methods], paired),
         "timing": timing,
     }
 
@@ -353,7 +408,9 @@ class _Outcome:
         correct = {}
         for metric in METRICS:
             rows = np.array([index[i] for i in picks[metric]])
-            correct[metric] = margins[metric][np.arange(len(rows)), rows] > 0
+            margin = margins[metric][np.arange(len(rows)), rows]
+            assert not np.isnan(margin).any(), "a method picked a mask its example was not scored under"
+            correct[metric] = margin > 0
         ids = picks["acc_norm"]
         return cls(correct, {i: ids.count(i) for i in sorted(set(ids))},
                    float(np.mean([saved[index[i]] for i in ids])))
@@ -378,16 +435,23 @@ def _method_report(outcomes: dict[str, _Outcome]) -> dict:
     }
 
 
-def _summary(report_methods: dict[str, dict], static: list[str]) -> dict:
-    """The best static baseline, and whether IG (and ig_ood) is at or above every one."""
+def _summary(report_methods: dict[str, dict], static: list[str], paired: dict) -> dict:
+    """The best static baseline, IG's margin over it (points of mean acc_norm, paired 95% CI), and
+    whether IG (and ig_ood) is at or above every static baseline."""
     def above(method: str, key: str) -> bool:
         return all(report_methods[method][key] >= report_methods[m][key] for m in static)
 
-    out = {"best_static": max(static, key=lambda m: report_methods[m]["mean_acc_norm"]) if static else None,
+    if not static:
+        return {"best_static": None}
+    best = max(static, key=lambda m: report_methods[m]["mean_acc_norm"])
+    out = {"best_static": best,
+           "ig_minus_best_static_points": 100 * paired[best]["acc_norm"]["diff"],
+           "ig_minus_best_static_ci95_points": 100 * paired[best]["acc_norm"]["ci95"],
            "ig_at_or_above_every_static": above("ig", "mean_acc_norm"),
            "ig_at_or_above_every_static_acc": above("ig", "mean_acc")}
-    if "ig_ood" in report_methods:
-        out["ig_ood_at_or_above_every_static"] = above("ig_ood", "mean_acc_norm")
+    for method in ("ig_centroid", "ig_ood"):
+        if method in report_methods:
+            out[f"{method}_at_or_above_every_static"] = above(method, "mean_acc_norm")
     return out
 
 
@@ -456,6 +520,7 @@ def plot_report(report: dict, path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from router.router import Router
     from server import models
+    from server.weights import cpu_flags
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -463,8 +528,18 @@ def run(args: argparse.Namespace) -> int:
     lm = models.load(args.model, dtype=dtype)
     bank = MaskBank.load(args.bank)
     bank.check_model(lm.fingerprint, 2 * lm.model.config.num_hidden_layers)
-    if bank.budgets:
-        raise SystemExit(f"{args.bank} is a multi-budget (format-2) bank; zero-shot evaluation reads one-budget banks")
+    s = bank.sparsity if args.budget is None else args.budget
+    if not any(abs(s - b) < 1e-9 for b in bank.budget_list()):
+        raise SystemExit(f"budget {s} is not in {args.bank}; it holds {', '.join(map(str, bank.budget_list()))}")
+    if bank.budgets and args.ood_quantile is not None:
+        raise SystemExit(f"{args.bank} is a format-2 bank: it holds its own OOD threshold (ig_ood), drop --ood-quantile")
+    methods = None
+    if args.methods:
+        methods = args.methods.split(",")
+        known = {DENSE, "ig", "ig_centroid", "ig_ood", "oracle", "random", *bank.static_ids(s)}
+        if unknown := [m for m in methods if m not in known]:
+            raise SystemExit(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
+        methods = ["ig", *(m for m in methods if m != "ig")]  # every comparison is against ig
     exclude = set(bank.calibration_docs)
     examples, data = {}, {}
     for task in args.tasks.split(","):
@@ -475,18 +550,21 @@ def run(args: argparse.Namespace) -> int:
     report = {"bank": args.bank.stem, "bank_file": str(args.bank),
               "bank_sha256": hashlib.sha256(args.bank.read_bytes()).hexdigest(), "model": lm.name,
               "fingerprint": lm.fingerprint, "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
-              "limit": args.limit, "seed": args.seed, "data": data}
-    router = Router(bank)
+              "command": args.invocation, "cpu_flags": cpu_flags(),
+              "router": bank.router.get("kind", "centroid"), "limit": args.limit, "seed": args.seed, "data": data}
     ood = None
     if args.ood_quantile is not None:
-        ood = ood_distance(bank, router, args.ood_quantile)
+        ood = ood_distance(bank, Router(bank), args.ood_quantile)
         report["ood"] = {"quantile": args.ood_quantile, "distance": ood}
-    report.update(evaluate(lm, bank, examples, router, args.seed, args.batch_tokens, args.cache, ood))
+    elif bank.budgets and bank.ood.get("distance") is not None:
+        report["ood"] = {"quantile": bank.ood.get("quantile"), "distance": bank.ood["distance"], "from": "bank"}
+    report.update(evaluate(lm, bank, examples, s, methods, args.seed, args.batch_tokens, args.cache, ood))
     report["wall_s"] = round(time.perf_counter() - start, 1)
     write_report(report, args.json, args.plot, plot_report)
     print(markdown_table(report))
-    s = report["summary"]
-    print(f"best static: {s['best_static']}; IG mean acc_norm at or above every static baseline: "
-          f"{s['ig_at_or_above_every_static']}")
+    summary = report["summary"]
+    if summary["best_static"]:
+        print(f"best static: {summary['best_static']}; IG minus it: {summary['ig_minus_best_static_points']:+.1f} ± "
+              f"{summary['ig_minus_best_static_ci95_points']:.1f} points mean acc_norm")
     print(f"wrote {args.json}{' and ' + str(args.plot) if args.plot else ''} in {report['wall_s']:.0f} s")
     return 0

@@ -121,6 +121,13 @@ class Router:
             if not math.isfinite(max_loss) or max_loss < 0:
                 raise ValueError(f"max_loss must be a finite number >= 0, got {max_loss}")
 
+    def mask_ids_at(self, budget: float | None = None) -> list[str]:
+        """The masks this router may pick at a budget (default: its default budget), OOD fallback included."""
+        s = self.default_budget if budget is None else budget
+        ids = self.bank.candidate_ids(s) if self.predictor is not None else self.bank.cluster_ids(s)
+        fallback = self.bank.global_id(s) if self.ood_distance is not None else None
+        return ids + [fallback] if fallback is not None and fallback not in ids else ids
+
     def route(self, texts: list[str], budgets: list[float | None] | None = None,
               max_losses: list[float | None] | None = None, batch_size: int = 32) -> list[Route]:
         """One Route per text; ``budgets[i]`` / ``max_losses[i]`` are that text's options (None: default)."""

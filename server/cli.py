@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 
 # (words, module, help); the longest matching words win, so "eval zeroshot" beats "eval".
@@ -17,6 +18,7 @@ COMMANDS = [
     (("bench", "decode"), "bench.decode", "decode/prefill throughput per weight format: HF generate vs the runner"),
     (("bench", "serve"), "bench.serve", "concurrent streaming clients against a running server"),
     (("bench", "compare"), "bench.compare", "igserve against llama.cpp's llama-server, same clients and prompts"),
+    (("bench", "kernels"), "bench.kernels", "ms per decode step of each linear family, per weight format and rows"),
     (("bench", "itl"), "bench.itl", "inter-token latency of running streams while long prompts arrive"),
     (("bench", "reliability"), "bench.reliability", "/health latency and memory while a huge body is refused"),
     (("bench", "quality"), "bench.quality", "held-out perplexity and greedy agreement per weight format"),
@@ -35,10 +37,14 @@ def _usage() -> str:
 
 def run_module(module, argv: list[str], prog: str | None = None, description: str | None = None) -> int:
     """Parse ``argv`` with the module's ``add_arguments`` and call its ``run``; also what
-    ``python -m`` runs for the modules that are no ``igserve`` subcommand."""
+    ``python -m`` runs for the modules that are no ``igserve`` subcommand. ``args.invocation`` is
+    the command line as typed, for the ``command`` field of the reports."""
+    prog = prog or f"python -m {getattr(module.__spec__, 'name', module.__name__)}"
     parser = argparse.ArgumentParser(prog=prog, description=description or module.__doc__.splitlines()[0])
     module.add_arguments(parser)
-    return module.run(parser.parse_args(argv)) or 0
+    args = parser.parse_args(argv)
+    args.invocation = " ".join([prog, *map(shlex.quote, argv)])
+    return module.run(args) or 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,8 @@ class ServeConfig:
                                                     "most 0.75x the step's decode time")
     prefix_cache: bool = _opt(True, "a freed cache slot keeps its K/V; a request whose prompt starts with tokens a "
                                     "free slot holds under the same mask skips their prefill (shared system "
-                                    "prompts, chat turns)")
+                                    "prompts, chat turns); the chat template's shared start is warmed at "
+                                    "start-up under each mask the router can pick")
     max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body; larger bodies get 413")
     drain_timeout: float = _opt(30.0, "seconds in-flight requests may take to finish on SIGTERM; then they end "
                                       "with an error and the process exits")

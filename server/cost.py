@@ -27,7 +27,8 @@ def _params(module: torch.nn.Module) -> int:
     return sum(_linear_params(m) for m in module.modules())
 
 
-def _bytes(module: torch.nn.Module) -> int:
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's weights as served (parameters and buffers, each tensor once)."""
     tensors = {id(t): t for t in (*module.parameters(), *module.buffers()) if t is not None}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -47,9 +48,9 @@ class CostModel:
         head = (model.model.norm, model.lm_head)
         return cls(
             block_params=torch.tensor([float(sum(_params(m) for m in p)) for p in parts], dtype=torch.float64),
-            block_bytes=torch.tensor([float(sum(_bytes(m) for m in p)) for p in parts], dtype=torch.float64),
+            block_bytes=torch.tensor([float(sum(module_bytes(m) for m in p)) for p in parts], dtype=torch.float64),
             head_params=float(sum(_params(m) for m in head)),
-            head_bytes=float(sum(_bytes(m) for m in head)),
+            head_bytes=float(sum(module_bytes(m) for m in head)),
         )
 
     def params(self, mask: torch.Tensor) -> float:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from masks.bank import DENSE
 from router.router import Router
 from server.depth import AdaptiveDepth
 from server.detokenizer import Detokenizer, backend
@@ -57,7 +58,7 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, runner: BlockRunner, tokenizer, max_batch: int | None = None, router: Router | None = None,
                  max_num_batched_tokens: int | None = None, depth: AdaptiveDepth | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, shared_prefix: list[int] | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self._backend = backend(tokenizer)
@@ -73,6 +74,8 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self.blocks_executed = torch.zeros(2, dtype=torch.long)  # attn, ffn (token-blocks)
+        # the tokens every chat prompt starts with (the template's system turn): warmed per mask
+        self.shared_prefix = shared_prefix if prefix_cache else None
 
     @property
     def waiting(self):
@@ -91,6 +94,28 @@ class LLMEngine:
         self.runner.prefill([[0] * 8], dense, [self.scheduler.free_slots[0]])  # a free slot: nothing to overwrite
         if self._measure_budget:
             self.scheduler.cost = self.measure_cost()
+        if self.shared_prefix:  # last: the warm-up above writes into free slots
+            self.warm_prefixes(self.shared_prefix)
+
+    def warm_prefixes(self, tokens: list[int]) -> int:
+        """Prefill ``tokens`` under dense and each mask the router picks from at its default budget,
+        each into a free slot of its own, kept as a freed slot's prefix: the first request routed
+        to a mask then finds the shared start of its prompt cached, as later ones do. At most one
+        mask per free slot; returns how many were warmed."""
+        masks = {DENSE: torch.ones(self.runner.num_blocks, dtype=torch.bool)}
+        if self.router is not None:
+            masks.update({m: self.router.masks[m] for m in self.router.mask_ids_at()})
+        sched = self.scheduler
+        slots = [s for s in sched.free_slots if s not in sched.prefixes][: len(masks)]
+        if len(tokens) < 2 or not slots:
+            return 0
+        chosen = list(masks.values())[: len(slots)]
+        self.runner.prefill([tokens] * len(slots), torch.stack(chosen), slots)
+        for slot, mask in zip(slots, chosen):
+            sched.hold_prefix(slot, tokens, mask)
+        log.info("prefix cache: the %d shared prompt tokens warmed under %d of %d masks", len(tokens), len(slots),
+                 len(masks))
+        return len(slots)
 
     def measure_cost(self, repeats: int = 3) -> StepCost:
         """Time decode steps (1 and a full batch of rows) and prefill chunks (8 and 64 tokens) on the

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
+from os.path import commonprefix
 from pathlib import Path
 from typing import Callable
 
@@ -76,6 +77,18 @@ def _mask_tensors(bank: MaskBank | None, router: Router | None, num_blocks: int)
     return {i: router.masks[i] if i in router.masks else bank.mask(i) for i in bank.all_mask_ids()}
 
 
+def shared_chat_prefix(tokenizer) -> list[int] | None:
+    """The token ids every one-turn chat prompt starts with: the chat template up to the user's
+    text (for SmolLM2 its default system turn), as the server renders and tokenises chats."""
+    try:
+        ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                       add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"] for text in ("a", "Zq 1")]
+    except Exception:  # no chat template: nothing is shared
+        return None
+    return commonprefix(ids) or None
+
+
 def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda message: None) -> Loaded:
     """Load model, bank and encoder, and build the engine (blocking; raises ModelLoadError,
     BankError or EncoderError with a message for the operator)."""
@@ -122,7 +135,7 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
              for i, m in _mask_tensors(bank, router, runner.num_blocks).items()}
     metrics = ServingMetrics(lm.name, {i: (m.skip_ratio, m.compute_saved) for i, m in masks.items()})
     engine = LLMEngine(runner, lm.tokenizer, cfg.max_batch, router, cfg.max_num_batched_tokens, depth,
-                       prefix_cache=cfg.prefix_cache)
+                       prefix_cache=cfg.prefix_cache, shared_prefix=shared_chat_prefix(lm.tokenizer))
     max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
     return Loaded(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
                   router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name,

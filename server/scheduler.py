@@ -138,9 +138,13 @@ class Scheduler:
             self.free_slots.sort()
             # a failed request's K/V may be what failed; an unrouted one has none
             if self.prefix_cache and request.error is None and request.mask is not None and request.num_computed:
-                self._freed += 1
-                tokens = (request.prompt_ids + request.output_ids)[:request.num_computed]
-                self.prefixes[request.slot] = SlotPrefix(tokens, request.mask, self._freed)
+                self.hold_prefix(request.slot, (request.prompt_ids + request.output_ids)[:request.num_computed],
+                                 request.mask)
+
+    def hold_prefix(self, slot: int, tokens: list[int], mask: torch.Tensor) -> None:
+        """Keep ``tokens``' K/V, computed under ``mask`` into free ``slot``, as a freed slot's prefix."""
+        self._freed += 1
+        self.prefixes[slot] = SlotPrefix(tokens, mask, self._freed)
 
     def schedule(self) -> Schedule:
         out = Schedule(decode=[r for r in self.running if not r.prefilling])

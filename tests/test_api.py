@@ -639,6 +639,9 @@ def test_bench_serve_reports_every_run(live_server, tmp_path):
             assert run["skip_ratio_mean"] == 0 and run["router_ms_p50"] == 0
         else:
             assert run["skip_ratio_mean"] == pytest.approx(0.25) and run["router_ms_p50"] > 0
+        assert 0 <= run["prompt_cached_share"] < 1
+    # the dense runs' prompts share their chat template's start, which the prefix cache holds
+    assert max(r["prompt_cached_share"] for r in result["runs"] if r["mode"] == "dense") > 0
     assert set(result["acceptance"]) >= {"router_ok", "ig_faster_ok", "scaling_ok"}
 
 

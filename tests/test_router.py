@@ -169,3 +169,17 @@ def test_mask_tensors_are_made_once_and_shared(tiny_bank):
     old = Router(tiny_bank)
     assert old.budgets == [0.25] and set(old.masks) == {"dense", *tiny_bank.mask_ids, *tiny_bank.baselines}
     assert old.route([TINY_BANK_TEXTS["code"]])[0].budget == 0.25
+
+
+def test_mask_ids_at_are_what_routing_can_pick(tiny_bank):
+    """Every mask a routed text gets is among ``mask_ids_at`` (learned: the candidates; centroid:
+    the cluster masks, plus the global mask where the router falls back)."""
+    bank, _, _ = routed_bank(tiny_bank, ood=0.2)
+    texts = [*TINY_BANK_TEXTS.values(), *NEW_TEXTS.values()]
+    for router, expect in ((Router(bank), bank.candidate_ids(0.25)),
+                           (Router(bank, method="centroid"), [*bank.cluster_ids(0.25), "global@0.25"]),
+                           (Router(bank, method="centroid", ood=False), bank.cluster_ids(0.25)),
+                           (Router(bank, default_budget=0.125), bank.candidate_ids(0.125))):
+        assert router.mask_ids_at() == expect
+        assert {r.mask_id for r in router.route(texts)} <= set(expect)
+    assert Router(bank, method="centroid").mask_ids_at(0.125) == [*bank.cluster_ids(0.125), "global@0.125"]

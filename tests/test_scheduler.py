@@ -431,6 +431,37 @@ def test_a_failed_request_leaves_no_prefix_and_scored_prompts_prefill_whole(toke
         eng.scheduler.remove(req)  # nothing computed: the slot keeps what it held
 
 
+def test_warmed_prefixes_serve_the_first_request_of_each_mask(tokenizer):
+    """The shared start of chat prompts, warmed at start-up under dense and every mask the router
+    may pick (one free slot each), is reused by the first request of each mask; the outputs equal
+    those of an engine that prefilled them whole. A mask the router cannot pick is not warmed."""
+    prefix = [900 + i for i in range(12)]
+    router = SimpleNamespace(masks={"skip": SKIP_TWO, "never": ~SKIP_TWO}, mask_ids_at=lambda: ["skip"])
+    eng = LLMEngine(FakeRunner(max_batch=4), tokenizer, router=router, shared_prefix=prefix)
+    assert eng.warm_prefixes(prefix) == 2
+    assert sorted(len(p.tokens) for p in eng.scheduler.prefixes.values()) == [12, 12]
+    reqs = [make(0, ids=prefix + [1000 + i], mask=mask) for i, mask in enumerate((None, SKIP_TWO, ~SKIP_TWO))]
+    for req in reqs:
+        eng.generate([req])
+        assert req.output_ids == alone(tokenizer, req)
+    assert [r.num_cached for r in reqs] == [12, 12, 0]
+    assert LLMEngine(FakeRunner(), tokenizer, prefix_cache=False, shared_prefix=prefix).shared_prefix is None
+    full = LLMEngine(FakeRunner(max_batch=1), tokenizer, router=router)
+    assert full.warm_prefixes(prefix) == 1 and full.warm_prefixes(prefix) == 0  # no free slot left holds nothing
+
+
+def test_shared_chat_prefix_starts_every_rendered_chat(tiny):
+    from server.loading import shared_chat_prefix
+
+    prefix = shared_chat_prefix(tiny.tokenizer)
+    assert prefix and len(prefix) > 3
+    for text in ("Hello", "What is 2 + 2?", "def f(x): return x", "Écris un poème."):
+        rendered = tiny.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        ids = tiny.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        assert ids[: len(prefix)] == prefix and len(ids) > len(prefix)
+
+
 def test_prefix_reuse_on_a_real_runner_equals_prefilling_again(tiny):
     """The tiny Llama, dense and masked: the next turn of a chat (prompt, answer, new tokens),
     prefilled after the K/V its slot kept, gives the greedy tokens of an engine without the cache."""

@@ -217,6 +217,34 @@ def test_cost_counts_params_alike_and_bytes_per_format(tiny_model_dir, tiny):
     assert 1 < int4.ideal_speedup(mask) < fp32.ideal_speedup(mask)
 
 
+def test_bench_kernels_times_every_linear_of_a_step(tiny_model_dir, tmp_path):
+    """Each family is one module per layer (the lm_head once), and together their bytes are the
+    weights a dense step reads, less the norms; GMAC/s and GB/s follow from the median time."""
+    import json
+
+    from server import cli
+
+    out = tmp_path / "kernels.json"
+    assert cli.main(["bench", "kernels", "--model", str(tiny_model_dir), "--weights", "int4", "--rows", "1,5",
+                     "--repeats", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("igserve bench kernels --model") and report["cpu_flags"]
+    runs = report["formats"]["int4"]["runs"]
+    lm = models.load(str(tiny_model_dir), dtype=models.resolve_weights("int4")[1], weights="int4")
+    layers = lm.model.config.num_hidden_layers
+    assert {(r["family"], r["rows"]) for r in runs} == {(f, n) for f in ("qkv", "o", "gate_up", "down", "lm_head")
+                                                        for n in (1, 5)}
+    assert all(r["modules"] == (1 if r["family"] == "lm_head" else layers) for r in runs)
+    step = cost.CostModel.from_model(lm.model).bytes(torch.ones(2 * layers, dtype=torch.bool))
+    norms = sum(p.numel() * p.element_size() for n, p in lm.model.named_parameters() if "norm" in n)
+    assert sum(r["weight_mb"] for r in runs if r["rows"] == 1) * 1e6 == pytest.approx(step - norms, rel=1e-3)
+    for r in runs:
+        macs = lm.model.config.vocab_size * lm.model.config.hidden_size if r["family"] == "lm_head" else None
+        if macs:
+            assert r["gmac_s"] == pytest.approx(macs * r["rows"] / (r["ms_per_step"] / 1000) / 1e9, rel=0.02)
+        assert r["spread_ms"][0] <= r["ms_per_step"] <= r["spread_ms"][1]
+
+
 # ---------------------------------------------------------------------------- runner per format
 @pytest.fixture(scope="module", params=[("int8", "bfloat16"), ("int4", "bfloat16"), ("int4", "float32"),
                                         ("bf16", "bfloat16")])

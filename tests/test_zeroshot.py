@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY_BANK_TEXTS, routed_bank
 from test_runner import remove_blocks
 
 from masks import zeroshot
@@ -110,19 +111,74 @@ def test_methods_follow_direct_argmax():
             assert (margins["acc"][i, u] > 0) == (ll[i, u, :k].argmax() == e.gold)
             assert (margins["acc_norm"][i, u] > 0) == ((ll[i, u, :k] / chars).argmax() == e.gold)
 
-    bank = SimpleNamespace(mask_ids=["c0", "c1", "c2"])
+    clusters = ["c0", "c1", "c2"]
+    bank = SimpleNamespace(cluster_ids=lambda s: clusters, static_ids=lambda s: {"static_l0": "static_l0"})
     index = {"dense": 0, "static_l0": 4, "c0": 1, "c1": 2, "c2": 3}
-    routes = [bank.mask_ids[i % 3] for i in range(len(examples))]
-    picks = zeroshot.choices(["dense", "ig", "static_l0", "oracle", "random"], bank, index, margins, routes,
-                             torch.Generator().manual_seed(0))
-    assert picks["ig"]["acc"] == routes and set(picks["random"]["acc"]) == set(bank.mask_ids)
-    far = [i % 4 == 0 for i in range(len(examples))]
-    ood = zeroshot.choices(["dense", "ig", "greedy", "ig_ood"], bank, {**index, "greedy": 4}, margins, routes,
-                           torch.Generator().manual_seed(0), far)["ig_ood"]["acc"]
-    assert ood == ["greedy" if f else r for r, f in zip(routes, far)] and "greedy" in ood
+    routes = [clusters[i % 3] for i in range(len(examples))]
+    picks = zeroshot.picks(["dense", "ig", "static_l0", "oracle", "random"], bank, 0.25, {"ig": routes},
+                           len(examples), torch.Generator().manual_seed(0))
+    assert "oracle" not in picks and picks["dense"] == ["dense"] * len(examples)
+    assert picks["ig"] == routes and set(picks["random"]) == set(clusters)
+    assert picks["static_l0"] == ["static_l0"] * len(examples)
+    oracle = zeroshot.oracle_picks(clusters, index, margins)
     for metric in zeroshot.METRICS:
-        oracle = np.array([margins[metric][i, index[m]] > 0 for i, m in enumerate(picks["oracle"][metric])])
-        np.testing.assert_array_equal(oracle, (margins[metric][:, 1:4] > 0).any(1))
+        right = np.array([margins[metric][i, index[m]] > 0 for i, m in enumerate(oracle[metric])])
+        np.testing.assert_array_equal(right, (margins[metric][:, 1:4] > 0).any(1))
+
+
+def test_one_budget_ood_routes_far_contexts_to_greedy(tiny):
+    """ig_ood of a one-budget bank: the nearest centroid's mask, greedy beyond the distance given."""
+    bank = make_bank(tiny)
+    texts = [e.routing_text for e in EXAMPLES]
+    nearest = zeroshot.routes(bank, texts, 0.25)
+    assert set(nearest) == {"ig"} and set(nearest["ig"]) <= set(bank.mask_ids)
+    from router.encoder import embed
+
+    distance = 1 - (embed(texts) @ bank.centroid_tensor().T).max(1).values
+    cut = float(distance.median())
+    routed = zeroshot.routes(bank, texts, 0.25, ood_distance=cut)
+    assert routed["ig_ood"] == ["greedy" if d > cut else m for d, m in zip(distance.tolist(), nearest["ig"])]
+    assert "greedy" in routed["ig_ood"] and routed["ig_ood"] != nearest["ig"]
+
+
+def _domain_examples() -> list[MCExample]:
+    """Two examples per tiny-bank domain text (the learned router and the centroids differ there),
+    then the toy examples, far from every centroid."""
+    out = []
+    for n, text in enumerate(TINY_BANK_TEXTS.values()):
+        out.append(MCExample("toy", 2 * n, (text,) * 3, (" yes", " no, not at all", " maybe"), n % 3))
+        out.append(MCExample("toy", 2 * n + 1, (text + " So",) * 2, (" it is.", " it is not."), 1))
+    return out + [MCExample("toy", 100 + e.doc_id, e.contexts, e.continuations, e.gold) for e in EXAMPLES]
+
+
+def test_format2_bank_routes_as_the_server_and_scores_only_what_methods_use(tiny, tiny_bank):
+    """A format-2 bank at each budget: ig is the learned router's pick, ig_centroid the nearest
+    centroid's, ig_ood the centroid router with the bank's threshold; a run of fewer methods
+    scores fewer masks and gives those methods the same results."""
+    from router.router import Router
+
+    bank = routed_bank(tiny_bank, ood=0.3)[0]
+    examples = _domain_examples()
+    texts = [e.routing_text for e in examples]
+    for budget in (0.125, 0.25):
+        full = zeroshot.evaluate(tiny, bank, {"toy": examples}, budget)
+        assert set(full["methods"]) == {"dense", "ig", "ig_centroid", "ig_ood", "global", "oracle", "random"}
+        expect = {"ig": Router(bank), "ig_centroid": Router(bank, method="centroid", ood=False),
+                  "ig_ood": Router(bank, method="centroid")}
+        for method, router in expect.items():
+            ids = [r.mask_id for r in router.route(texts, [budget] * len(texts))]
+            assert full["methods"][method]["masks_used"]["toy"] == {m: ids.count(m) for m in set(ids)}, method
+        used = {m: full["methods"][m]["masks_used"]["toy"] for m in expect}
+        assert used["ig"] != used["ig_centroid"] != used["ig_ood"]
+        assert 0 < used["ig_ood"].get(f"global@{budget:g}", 0) < len(examples)
+        assert all(m == "dense" or m.endswith(f"@{budget:g}") for m in full["masks"])
+        few = zeroshot.evaluate(tiny, bank, {"toy": examples}, budget, methods=["ig", "global"])
+        assert set(few["methods"]) == {"ig", "global"}
+        for method in few["methods"]:
+            assert few["methods"][method]["tasks"] == full["methods"][method]["tasks"]
+        assert few["timing"]["toy"]["positions_computed"] < full["timing"]["toy"]["positions_computed"]
+        assert few["ig_minus"]["global"] == full["ig_minus"]["global"]
+        assert few["summary"]["best_static"] == "global"
 
 
 def _single_token_words(tokenizer, context: str) -> list[str]:
@@ -140,7 +196,7 @@ def test_planted_task_is_always_right(tiny):
     """Single-token choices of equal length: the gold one is the model's most likely next token under
     every distinct mask, the others its least likely; every method scores 100% on both metrics."""
     bank = make_bank(tiny)
-    masks, _ = zeroshot.unique_masks(bank, list(zeroshot.STATIC))
+    masks, _ = zeroshot.unique_masks(bank, [*zeroshot.STATIC, *bank.mask_ids])
     runner = BlockRunner(tiny.model, max_batch=1, max_len=64)
     contexts = ["The capital of the country is", "My favourite thing to cook is", "def main(): return",
                 "She opened the door and saw a", "Prove that the sum of two even numbers is"]
@@ -159,9 +215,7 @@ def test_planted_task_is_always_right(tiny):
         options.insert(gold, words[gold_word])
         examples.append(MCExample("planted", n, (ctx,) * 4, tuple(options), gold))
 
-    from router.router import Router
-
-    report = zeroshot.evaluate(tiny, bank, {"planted": examples}, Router(bank))
+    report = zeroshot.evaluate(tiny, bank, {"planted": examples})
     assert report["distinct_masks"] == 7  # dense + 3 static + 4 clusters, less greedy == c1
     assert set(report["methods"]) == {"dense", "ig", "static_l0", "shortgpt", "greedy", "oracle", "random"}
     for name, m in report["methods"].items():
