@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from server import models
+from server import models, weights as wf
 
 DEFAULT_BANK = "masks/banks/smollm2-135m-instruct-routed.json"
 ROUTERS = ("learned", "centroid")  # router.router.METHODS (not imported here: that loads torch)
@@ -47,7 +47,7 @@ class ServeConfig:
     dtype: str = _opt("auto", "weights and KV cache; auto: bfloat16 on CUDA and on CPUs with AMX, else float32",
                       choices=models.DTYPES)
     weights: str = _opt("auto", "linear weight format; auto: by CPU (README, weight formats)",
-                        choices=("auto", "fp32", "bf16", "int8", "int4", "int4q8"))
+                        choices=wf.FORMATS)
     max_batch: int = _opt(16, "sequences per step (KV cache slots)")
     max_queue: int = _opt(64, "waiting requests before 429")
     max_tokens_limit: int = _opt(1024, "largest max_tokens a request may ask for")

@@ -96,10 +96,12 @@ def unpack_dm(dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pair[..., 0], pair[..., 1]
 
 
-def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = False) -> torch.Tensor:
+def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = False,
+              wide: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [R, K] float32 @ W^T for Q4_1 W in the packed layout -> [R, N] float32; ``q8``: x2
-    rounded to int8 per group of 32 first (``round_q8``)."""
-    return torch.ops.igserve.q4_linear(x2, qs, dm, q8)
+    rounded to int8 per group of 32 first (``round_q8``); ``wide``: W in bfloat16 [N, K], which
+    calls of 8 rows and more (``WIDE_ROWS`` in weight_only.cpp) multiply in bfloat16 instead."""
+    return torch.ops.igserve.q4_linear(x2, qs, dm, q8, wide)
 
 
 def round_q8(x2: torch.Tensor) -> torch.Tensor:

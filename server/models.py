@@ -213,7 +213,7 @@ def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dt
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     model.eval().requires_grad_(False)
     fingerprint = weights_fingerprint(model)
-    if weights in ("int8", "int4", "int4q8"):
+    if weights in wf.QUANTISED:
         groups = {}
         if weights != "int8" and name_or_path in PACKAGED_MODELS:
             groups = wf.read_gguf_q4_1(_packaged_gguf(PACKAGED_MODELS[name_or_path]), config)

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "int4q8")
+FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "int4q8", "int4bf16")
+QUANTISED = ("int8", "int4", "int4q8", "int4bf16")
 KERNEL_DTYPE = torch.bfloat16  # the quantised kernels' vectorised path, on every CPU and on CUDA
 GROUP = 32  # Q4_1 block size = torch int4 group size
 
@@ -140,13 +141,16 @@ class Int4Linear(_WeightOnlyLinear):
     so a single row runs integer dot products."""
 
     def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu",
-                 native: bool = False, q8: bool = False):
+                 native: bool = False, q8: bool = False, wide: bool = False):
         super().__init__()
         n, k = groups.q.shape
         self.in_features, self.out_features = k, n
         self.cuda_kernel = str(device).startswith("cuda")
         self.native = native
         self.q8 = native and q8
+        # int4bf16: the weight in bfloat16 too, for calls of many rows (an attribute, not a buffer:
+        # what a one-row step reads, and so the cost model, stays the int4 groups)
+        self._wide = _Packed(_wide_weight(groups.dequantize())) if native and wide else None
         if n % 16:
             raise ValueError(f"int4 needs out_features divisible by 16, got {n}")
         if native:
@@ -166,11 +170,17 @@ class Int4Linear(_WeightOnlyLinear):
     def kernel_dtype(self) -> torch.dtype:
         return torch.float32 if self.native else self.scales_zeros.dtype
 
+    @property
+    def wide(self) -> torch.Tensor | None:
+        """int4bf16: the weight the kernel multiplies calls of many rows with (else None)."""
+        packed = getattr(self, "_wide", None)  # absent on stacks of torch-kernel parts
+        return None if packed is None else packed.tensor
+
     def _matmul(self, x2):
         if self.native:
             from server import cpu_kernels
 
-            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8)
+            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8, self.wide)
         if self.cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
@@ -181,7 +191,9 @@ class Int4Linear(_WeightOnlyLinear):
         height depends on the CPU (64 on AVX-512), so its parts stack only where a probe of the same
         shapes packs the same as the whole; otherwise the parts run one after another."""
         if parts[0].native:
-            return _stacked(cls, parts, {"qs": 0, "dm": 0, "bias": 0})
+            out = _stacked(cls, parts, {"qs": 0, "dm": 0, "bias": 0})
+            out._wide = None if parts[0].wide is None else _Packed(_wide_weight(torch.cat([p.dequantized() for p in parts])))
+            return out
         if not _torch_int4_rows_stack(tuple(p.out_features for p in parts), parts[0].in_features,
                                       str(parts[0].packed.device)):
             return Concat(parts)
@@ -200,6 +212,28 @@ class Int4Linear(_WeightOnlyLinear):
             return self.forward(eye).T.float()
         finally:
             self.bias = bias
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A read-only weight in a layout with no storage to copy (oneDNN's): copies of a model share it."""
+
+    tensor: torch.Tensor
+
+    def __deepcopy__(self, memo) -> "_Packed":
+        return self
+
+
+def _wide_weight(w: torch.Tensor) -> torch.Tensor:
+    """An int4bf16 layer's weight for many rows: bfloat16, reordered once into oneDNN's blocked
+    layout where torch has oneDNN (the kernels' ``wide_linear``), else plain."""
+    w = w.to(torch.bfloat16).contiguous()
+    if not torch.backends.mkldnn.is_available():
+        return w
+    return torch.ops.mkldnn._reorder_linear_weight(w, WIDE_ROWS_HINT)
+
+
+WIDE_ROWS_HINT = 16  # the rows oneDNN picks the weight's layout for (any number of rows runs on it)
 
 
 class Int8Linear(_WeightOnlyLinear):
@@ -315,17 +349,17 @@ def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype = KERNEL_DTYPE
     """Replace the decoder's linears (and the lm_head) with ``fmt`` modules, in place; their
     kernels run in ``dtype``, or igserve's float32 CPU kernels with ``native``. ``groups``: Q4_1
     groups read from a GGUF (int4 only); missing linears are quantised here."""
-    if fmt not in ("int8", "int4", "int4q8"):
+    if fmt not in QUANTISED:
         raise ValueError(f"not a quantised format: {fmt!r}")
     groups = groups or {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear) or name == "lm_head":
             continue
-        if fmt in ("int4", "int4q8"):
+        if fmt != "int8":
             g = groups.get(name) or quantize_q4_1(module.weight)
             # int4q8 keeps down_proj's input in float32: its outliers (SiLU·up) lose the most to int8
             new = Int4Linear(g, module.bias, dtype, device, native,
-                             q8=fmt == "int4q8" and not name.endswith("down_proj"))
+                             q8=fmt == "int4q8" and not name.endswith("down_proj"), wide=fmt == "int4bf16")
         else:
             new = Int8Linear(module.weight, module.bias, dtype, device, native)
         parent, _, attr = name.rpartition(".")
@@ -360,7 +394,7 @@ def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.T
     if isinstance(linear, torch.nn.Linear) and linear.weight.dtype == torch.float32:
         return [linear.weight.detach()], None if linear.bias is None else linear.bias.detach()
     if isinstance(linear, Int4Linear) and linear.native:
-        return [linear.qs, linear.dm], linear.bias
+        return [linear.qs, linear.dm] + ([] if linear.wide is None else [linear.wide]), linear.bias
     if isinstance(linear, Int8Linear) and linear.native:
         return [linear.weight, linear.scales], linear.bias
     return None
@@ -409,13 +443,6 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref.float()
 
 
-def bytes_per_param(fmt: str) -> float:
-    """Weight bytes read per parameter of a linear in ``fmt`` (int4: 4 bits plus one bf16 scale and
-    zero per group of 32; int8: per-channel scales are negligible)."""
-    return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / GROUP,
-            "int4q8": 0.5 + 4 / GROUP}[fmt]
-
-
 def cpu_features() -> set[str]:
     """Every flag of the CPU (/proc/cpuinfo; empty where there is none)."""
     return set(_cpuinfo("flags").split())
@@ -446,10 +473,12 @@ def _cpuinfo(field: str) -> str:
 def auto_format(device: str = "cpu") -> str:
     """The format ``auto`` serves (table and measurements in the README): int4 wherever torch's
     CPU int4 kernel is vectorised (AVX2 and up: AVX-512, AMX), where it is the fastest format at
-    every batch size measured and serves the GGUF's own bits; fp32 otherwise."""
+    every batch size measured and serves the GGUF's own bits; int4bf16 where the CPU also computes
+    in bfloat16 (AVX-512 BF16, AMX): the same one-row decode, and prefill and batched decode on
+    bf16 dot products; fp32 otherwise."""
     if device.startswith("cuda"):
         return "bf16"  # quantised CUDA paths are untested
     flags = cpu_features()
     if {"avx2", "avx512f", "amx_bf16"} & flags:
-        return "int4"
+        return "int4bf16" if native_bf16() else "int4"
     return "fp32"

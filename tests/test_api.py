@@ -73,7 +73,7 @@ def test_models_and_health(live_server, client, model, tiny_bank):
     from server import cpu_kernels
 
     body = health.json()
-    expect = "igserve-avx2" if body["weights"] in ("int4", "int8") and body["dtype"] == "float32" \
+    expect = "igserve-avx2" if body["weights"] in ("int4", "int4q8", "int4bf16", "int8") and body["dtype"] == "float32" \
         and cpu_kernels.available() else "torch"
     assert body["kernels"] == expect
 

@@ -238,9 +238,10 @@ def _trace_chunked(runner, prompts, masks, slots, steps=6):
 HEAD_DIM_96 = {"hidden_size": 96, "num_attention_heads": 1, "num_key_value_heads": 1}
 
 
-@pytest.mark.parametrize("fmt,heads", [(f, {}) for f in ("fp32", "int8", "int4", "int4q8")]
+@pytest.mark.parametrize("fmt,heads", [(f, {}) for f in ("fp32", "int8", "int4", "int4q8", "int4bf16")]
                          + [(f, HEAD_DIM_96) for f in ("fp32", "int8", "int4")],
-                         ids=["fp32", "int8", "int4", "int4q8", "fp32-head_dim96", "int8-head_dim96", "int4-head_dim96"])
+                         ids=["fp32", "int8", "int4", "int4q8", "int4bf16", "fp32-head_dim96", "int8-head_dim96",
+                              "int4-head_dim96"])
 def test_fused_blocks_equal_eager_ops(tiny_model_dir, tmp_path, fmt, heads):
     """Every weight format the fused blocks take, with q/k/v/o biases, mixed masks, ragged and
     chunked prefill and decode: the same logits and K/V as the eager path. Head size 96 takes

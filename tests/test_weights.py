@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from server import cost, cpu_kernels, models, weights
 from server.runner import BlockRunner
@@ -129,6 +130,28 @@ def test_int8_matches_its_dequantised_weight():
     assert (lin.dequantized() - w).abs().max() <= w.abs().max() / 127  # half a step per channel, twice
 
 
+@native
+@pytest.mark.parametrize("rows", [1, 5, 7, 8, 9, 33])
+def test_wide_int4_multiplies_many_rows_in_bfloat16(rows):
+    """int4bf16: below 8 rows the float32 kernel's exact bits, from 8 rows torch's bf16 matmul of
+    the bf16-rounded dequantised weight (within bf16 rounding of the exact product)."""
+    g = weights.quantize_q4_1(_weight(n=80, k=96, seed=rows))
+    exact = weights.Int4Linear(g, None, torch.float32, native=True)
+    wide = weights.Int4Linear(g, None, torch.float32, native=True, wide=True)
+    assert exact.wide is None and wide.wide.dtype == torch.bfloat16
+    assert cost.module_bytes(wide) == cost.module_bytes(exact)  # a one-row step reads the int4 groups only
+    x = torch.randn(rows, 96)
+    if rows < 8:
+        assert torch.equal(wide(x), exact(x))
+    else:
+        bf16 = F.linear(x.bfloat16(), g.dequantize().bfloat16()).float()
+        assert torch.equal(wide(x), bf16) and not torch.equal(wide(x), exact(x))
+        torch.testing.assert_close(wide(x), exact(x), rtol=2e-2, atol=5e-2)
+    fused = weights.fuse([wide, weights.Int4Linear(g, None, torch.float32, native=True, wide=True)])
+    assert torch.equal(fused(x), torch.cat([wide(x), wide(x)], -1))
+    assert weights.kernel_tensors(fused)[0][2].shape == (160, 96)
+
+
 @pytest.mark.parametrize("rows", [(64, 32, 32), (128, 64, 64)])
 @pytest.mark.parametrize("kind", ["linear", "int8", "int4", "int4-native", "int8-native"])
 def test_fuse_equals_the_parts(kind, rows):
@@ -177,9 +200,11 @@ def test_activation_dtype_follows_the_kernels(monkeypatch):
     monkeypatch.setattr(weights, "cpu_features", lambda: {"avx2", "fma"})
     assert weights.activation_dtype("int4") == torch.float32 and weights.auto_format() == "int4"
     monkeypatch.setattr(weights, "cpu_features", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    assert weights.activation_dtype("int4") == torch.bfloat16 and weights.auto_format() == "int4"
+    assert weights.activation_dtype("int4") == torch.bfloat16 and weights.auto_format() == "int4bf16"
     monkeypatch.setattr(cpu_kernels, "available", lambda: True)
-    assert weights.activation_dtype("int4") == torch.float32
+    assert weights.activation_dtype("int4") == weights.activation_dtype("int4bf16") == torch.float32
+    monkeypatch.setattr(weights, "cpu_features", lambda: {"avx2", "avx512f", "amx_bf16"})
+    assert weights.auto_format() == "int4bf16"
     monkeypatch.setattr(weights, "cpu_features", lambda: {"sse4_2"})
     assert weights.auto_format() == "fp32"
     assert weights.activation_dtype("int4", "cuda") == torch.bfloat16
@@ -247,7 +272,7 @@ def test_bench_kernels_times_every_linear_of_a_step(tiny_model_dir, tmp_path):
 
 # ---------------------------------------------------------------------------- runner per format
 @pytest.fixture(scope="module", params=[("int8", "bfloat16"), ("int4", "bfloat16"), ("int4", "float32"),
-                                        ("bf16", "bfloat16")])
+                                        ("int4bf16", "float32"), ("bf16", "bfloat16")])
 def quantised(request, tiny_model_dir):
     fmt, dtype = request.param
     return models.load(str(tiny_model_dir), dtype=getattr(torch, dtype), weights=fmt)
@@ -272,7 +297,9 @@ def test_cached_decode_equals_forward(quantised):
     prompt = random_prompts(1, [29], seed=2)[0]
     runner = BlockRunner(quantised.model, max_batch=2, max_len=64)
     native = weights.kernels(quantised.model) == "igserve-avx2"
-    exact = runner.dtype == torch.float32 and (native or quantised.weights not in ("int4", "int8"))
+    # int4bf16: the one-row decode runs the float32 kernels, the whole sequence bfloat16 matmuls
+    exact = runner.dtype == torch.float32 and quantised.weights != "int4bf16" \
+        and (native or quantised.weights not in ("int4", "int8"))
     atol = 1e-4 if exact else 2 ** -6 * 4
     for name in ("mixed", "layers_1_2"):
         mask = masks_for(8)[name]

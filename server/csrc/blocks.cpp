@@ -70,7 +70,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at:
   TORCH_CHECK(!w.empty(), "a linear needs its weight tensors");
   at::Tensor y;
   if (w[0].scalar_type() == at::kByte) {
-    y = igserve::q4_linear(x, w[0], w[1], q8);
+    y = igserve::q4_linear(x, w[0], w[1], q8, w.size() > 2 ? std::optional<at::Tensor>(w[2]) : std::nullopt);
   } else if (w[0].scalar_type() == at::kChar) {
     y = igserve::i8_linear(x, w[0], w[1]);
   } else {
@@ -293,6 +293,11 @@ TORCH_LIBRARY_FRAGMENT(igserve, lib) {
 }
 
 TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
+  lib.impl("attn_block", attn_block);
+  lib.impl("ffn_block", ffn_block);
+}
+
+TORCH_LIBRARY_IMPL(igserve, MkldnnCPU, lib) {  // int4bf16 layers' oneDNN weights (weight_only.cpp)
   lib.impl("attn_block", attn_block);
   lib.impl("ffn_block", ffn_block);
 }

@@ -14,6 +14,7 @@
 // product to float32 rounding, so a row's result does not depend on the rows batched with it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
@@ -236,6 +237,9 @@ inline void tile_q8(const Q4& w, const Q8Rows& x, int64_t n0, float* __restrict 
 
 // Tile shapes: channels x rows per pass for several rows, channels per pass for one row.
 constexpr int MULTI_NC = 2, MULTI_RB = 4, SINGLE_NC = 8, ROW_NC = 8;
+// From this many rows a linear that carries a bfloat16 copy of its weight (format int4bf16) runs
+// torch's bf16 matmul (AVX-512 BF16 / AMX dot products) instead of the float32 kernels below.
+constexpr int64_t WIDE_ROWS = 8;
 constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run A/B: README, "Benchmarks")
 
 // One row, channels split across threads in blocks of 4: ROW_NC channels per tile call, then one
@@ -353,13 +357,32 @@ void run(const W& w, const float* x, int64_t R, int64_t K, float* y, int64_t N) 
   });
 }
 
+// x [R, K] bf16 @ W^T for a bf16 W: oneDNN's matmul on a weight reordered once into its blocked
+// layout (mkldnn::_reorder_linear_weight, as torch.compile's CPU freezing does); plain at::linear
+// for an unreordered W. The reorder halves the time at 8-16 rows (bench/results/kernels.json).
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w) {
+  if (!w.is_mkldnn()) return at::linear(x, w);
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 namespace igserve {
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8) {
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8,
+                     const std::optional<at::Tensor>& wide) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2;
   check_x(x, K);
+  if (wide && wide->defined() && x.size(0) >= WIDE_ROWS) {
+    TORCH_CHECK(wide->scalar_type() == at::kBFloat16 && wide->size(0) == N && wide->size(1) == K,
+                "wide must be the bfloat16 weight [N, K]");
+    return wide_linear(x.to(at::kBFloat16), *wide).to(at::kFloat);
+  }
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs must be contiguous uint8 [N, K/2]");
   TORCH_CHECK(dm.scalar_type() == at::kInt && dm.is_contiguous() && dm.numel() == N * (K / GROUP),
               "dm must be contiguous int32 [N, K/32] (fp16 d, m pairs)");
@@ -409,11 +432,16 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 }  // namespace igserve
 
 TORCH_LIBRARY(igserve, lib) {
-  lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm, bool q8=False) -> Tensor");
+  lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm, bool q8=False, Tensor? wide=None) -> Tensor");
   lib.def("i8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
   lib.impl("q4_linear", igserve::q4_linear);
   lib.impl("i8_linear", igserve::i8_linear);
+}
+
+// An int4bf16 weight reordered for oneDNN is an MkldnnCPU tensor, which routes the call here.
+TORCH_LIBRARY_IMPL(igserve, MkldnnCPU, lib) {
+  lib.impl("q4_linear", igserve::q4_linear);
 }

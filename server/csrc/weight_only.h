@@ -4,8 +4,10 @@
 
 namespace igserve {
 // x [R, K] float32 @ W^T for Q4_1 W (qs [N, K/2] nibbles, dm [N, K/32] fp16 d|m) -> [R, N];
-// q8: x rounded to int8 per group of 32 first (weight_only.cpp)
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8 = false);
+// q8: x rounded to int8 per group of 32 first; wide: the bf16 weight [N, K], used from WIDE_ROWS rows
+// (weight_only.cpp)
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8 = false,
+                     const std::optional<at::Tensor>& wide = std::nullopt);
 // x [R, K] float32 @ (q * scales[:, None])^T, q int8 [N, K] -> [R, N]
 at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
 }  // namespace igserve
