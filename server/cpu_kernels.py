@@ -100,8 +100,13 @@ def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = F
               wide: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [R, K] float32 @ W^T for Q4_1 W in the packed layout -> [R, N] float32; ``q8``: x2
     rounded to int8 per group of 32 first (``round_q8``); ``wide``: W in bfloat16 [N, K], which
-    calls of 8 rows and more (``WIDE_ROWS`` in weight_only.cpp) multiply in bfloat16 instead."""
+    calls of ``wide_rows()`` rows and more multiply in bfloat16 instead."""
     return torch.ops.igserve.q4_linear(x2, qs, dm, q8, wide)
+
+
+def wide_rows() -> int:
+    """Rows from which an int4bf16 linear multiplies in bfloat16 (``WIDE_ROWS``, weight_only.cpp)."""
+    return torch.ops.igserve.wide_rows()
 
 
 def round_q8(x2: torch.Tensor) -> torch.Tensor:

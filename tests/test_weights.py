@@ -131,17 +131,19 @@ def test_int8_matches_its_dequantised_weight():
 
 
 @native
-@pytest.mark.parametrize("rows", [1, 5, 7, 8, 9, 33])
-def test_wide_int4_multiplies_many_rows_in_bfloat16(rows):
-    """int4bf16: below 8 rows the float32 kernel's exact bits, from 8 rows torch's bf16 matmul of
-    the bf16-rounded dequantised weight (within bf16 rounding of the exact product)."""
+@pytest.mark.parametrize("offset", [-13, -1, 0, 1, 19])
+def test_wide_int4_multiplies_many_rows_in_bfloat16(offset):
+    """int4bf16: below ``wide_rows()`` rows the float32 kernel's exact bits, from there torch's bf16
+    matmul of the bf16-rounded dequantised weight (within bf16 rounding of the exact product)."""
+    rows = cpu_kernels.wide_rows() + offset
+    assert rows >= 1
     g = weights.quantize_q4_1(_weight(n=80, k=96, seed=rows))
     exact = weights.Int4Linear(g, None, torch.float32, native=True)
     wide = weights.Int4Linear(g, None, torch.float32, native=True, wide=True)
     assert exact.wide is None and wide.wide.dtype == torch.bfloat16
     assert cost.module_bytes(wide) == cost.module_bytes(exact)  # a one-row step reads the int4 groups only
     x = torch.randn(rows, 96)
-    if rows < 8:
+    if offset < 0:
         assert torch.equal(wide(x), exact(x))
     else:
         bf16 = F.linear(x.bfloat16(), g.dequantize().bfloat16()).float()

@@ -238,8 +238,9 @@ inline void tile_q8(const Q4& w, const Q8Rows& x, int64_t n0, float* __restrict 
 // Tile shapes: channels x rows per pass for several rows, channels per pass for one row.
 constexpr int MULTI_NC = 2, MULTI_RB = 4, SINGLE_NC = 8, ROW_NC = 8;
 // From this many rows a linear that carries a bfloat16 copy of its weight (format int4bf16) runs
-// torch's bf16 matmul (AVX-512 BF16 / AMX dot products) instead of the float32 kernels below.
-constexpr int64_t WIDE_ROWS = 8;
+// oneDNN's bf16 matmul (AVX-512 BF16 / AMX dot products) instead of the float32 kernels below: the
+// crossover measured on AVX-512 BF16 lies between 12 and 16 rows (bench/results/kernels*.json).
+constexpr int64_t WIDE_ROWS = 14;
 constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run A/B: README, "Benchmarks")
 
 // One row, channels split across threads in blocks of 4: ROW_NC channels per tile call, then one
@@ -431,8 +432,11 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 
 }  // namespace igserve
 
+int64_t wide_rows() { return WIDE_ROWS; }
+
 TORCH_LIBRARY(igserve, lib) {
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm, bool q8=False, Tensor? wide=None) -> Tensor");
+  lib.def("wide_rows() -> int", wide_rows);
   lib.def("i8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
 }
 
