@@ -118,6 +118,6 @@ def round_q8(x2: torch.Tensor) -> torch.Tensor:
     return (torch.round(g * inv) * d).view_as(x2)
 
 
-def i8_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x2 [R, K] float32 @ (q * scales[:, None])^T -> [R, N] float32."""
-    return torch.ops.igserve.i8_linear(x2, q, scales)
+def i8_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, wide: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [R, K] float32 @ (q * scales[:, None])^T -> [R, N] float32; ``wide`` as for ``q4_linear``."""
+    return torch.ops.igserve.i8_linear(x2, q, scales, wide)

@@ -133,6 +133,12 @@ class _WeightOnlyLinear(torch.nn.Module):
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def wide(self) -> torch.Tensor | None:
+        """int4bf16: the weight the kernel multiplies calls of many rows with (else None)."""
+        packed = getattr(self, "_wide", None)  # absent on stacks of torch-kernel parts
+        return None if packed is None else packed.tensor
+
 
 class Int4Linear(_WeightOnlyLinear):
     """y = x W^T (+ b) with W in int4 groups of 32; ``native``: igserve's float32 CPU kernel on the
@@ -169,12 +175,6 @@ class Int4Linear(_WeightOnlyLinear):
     @property
     def kernel_dtype(self) -> torch.dtype:
         return torch.float32 if self.native else self.scales_zeros.dtype
-
-    @property
-    def wide(self) -> torch.Tensor | None:
-        """int4bf16: the weight the kernel multiplies calls of many rows with (else None)."""
-        packed = getattr(self, "_wide", None)  # absent on stacks of torch-kernel parts
-        return None if packed is None else packed.tensor
 
     def _matmul(self, x2):
         if self.native:
@@ -246,7 +246,7 @@ class Int8Linear(_WeightOnlyLinear):
     DENSE_ROWS = 32
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu",
-                 native: bool = False):
+                 native: bool = False, wide: bool = False):
         super().__init__()
         self.native = native
         dtype = torch.float32 if native else dtype
@@ -256,6 +256,8 @@ class Int8Linear(_WeightOnlyLinear):
         self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).to(device))
         self.register_buffer("scales", scale.to(device=device, dtype=dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
+        # int4bf16's lm_head: its int8 weights in bfloat16 too, for calls of many rows (as Int4Linear)
+        self._wide = _Packed(_wide_weight(self.dequantized())) if native and wide else None
 
     @property
     def kernel_dtype(self) -> torch.dtype:
@@ -265,7 +267,7 @@ class Int8Linear(_WeightOnlyLinear):
         if self.native:  # one kernel for every row count (server/cpu_kernels.py)
             from server import cpu_kernels
 
-            return cpu_kernels.i8_linear(x2.contiguous(), self.weight, self.scales)
+            return cpu_kernels.i8_linear(x2.contiguous(), self.weight, self.scales, self.wide)
         if x2.is_cuda:  # untested: dequantising matmul
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if x2.shape[0] >= self.DENSE_ROWS:
@@ -274,7 +276,9 @@ class Int8Linear(_WeightOnlyLinear):
 
     @classmethod
     def cat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
-        return _stacked(cls, parts, {"weight": 0, "scales": 0, "bias": 0})
+        out = _stacked(cls, parts, {"weight": 0, "scales": 0, "bias": 0})
+        out._wide = None if parts[0].wide is None else _Packed(_wide_weight(out.dequantized()))
+        return out
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
@@ -365,7 +369,7 @@ def quantize(model: torch.nn.Module, fmt: str, dtype: torch.dtype = KERNEL_DTYPE
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     head = model.lm_head
-    model.lm_head = Int8Linear(head.weight, head.bias, dtype, device, native)
+    model.lm_head = Int8Linear(head.weight, head.bias, dtype, device, native, wide=fmt == "int4bf16")
     return model
 
 
@@ -396,7 +400,7 @@ def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.T
     if isinstance(linear, Int4Linear) and linear.native:
         return [linear.qs, linear.dm] + ([] if linear.wide is None else [linear.wide]), linear.bias
     if isinstance(linear, Int8Linear) and linear.native:
-        return [linear.weight, linear.scales], linear.bias
+        return [linear.weight, linear.scales] + ([] if linear.wide is None else [linear.wide]), linear.bias
     return None
 
 

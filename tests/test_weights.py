@@ -131,25 +131,32 @@ def test_int8_matches_its_dequantised_weight():
 
 
 @native
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("offset", [-13, -1, 0, 1, 19])
-def test_wide_int4_multiplies_many_rows_in_bfloat16(offset):
-    """int4bf16: below ``wide_rows()`` rows the float32 kernel's exact bits, from there torch's bf16
-    matmul of the bf16-rounded dequantised weight (within bf16 rounding of the exact product)."""
+def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
+    """int4bf16 (its int4 linears and int8 lm_head): below ``wide_rows()`` rows the float32
+    kernel's exact bits, from there torch's bf16 matmul of the bf16-rounded dequantised weight
+    (within bf16 rounding of the exact product)."""
     rows = cpu_kernels.wide_rows() + offset
     assert rows >= 1
-    g = weights.quantize_q4_1(_weight(n=80, k=96, seed=rows))
-    exact = weights.Int4Linear(g, None, torch.float32, native=True)
-    wide = weights.Int4Linear(g, None, torch.float32, native=True, wide=True)
+    w = _weight(n=80, k=96, seed=rows)
+    if kind == "int4":
+        g = weights.quantize_q4_1(w)
+        exact = weights.Int4Linear(g, None, torch.float32, native=True)
+        wide = weights.Int4Linear(g, None, torch.float32, native=True, wide=True)
+    else:
+        exact = weights.Int8Linear(w, None, torch.float32, native=True)
+        wide = weights.Int8Linear(w, None, torch.float32, native=True, wide=True)
     assert exact.wide is None and wide.wide.dtype == torch.bfloat16
     assert cost.module_bytes(wide) == cost.module_bytes(exact)  # a one-row step reads the int4 groups only
     x = torch.randn(rows, 96)
     if offset < 0:
         assert torch.equal(wide(x), exact(x))
     else:
-        bf16 = F.linear(x.bfloat16(), g.dequantize().bfloat16()).float()
+        bf16 = F.linear(x.bfloat16(), exact.dequantized().bfloat16()).float()
         assert torch.equal(wide(x), bf16) and not torch.equal(wide(x), exact(x))
         torch.testing.assert_close(wide(x), exact(x), rtol=2e-2, atol=5e-2)
-    fused = weights.fuse([wide, weights.Int4Linear(g, None, torch.float32, native=True, wide=True)])
+    fused = weights.fuse([wide, type(wide).cat([wide])])
     assert torch.equal(fused(x), torch.cat([wide(x), wide(x)], -1))
     assert weights.kernel_tensors(fused)[0][2].shape == (160, 96)
 

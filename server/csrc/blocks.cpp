@@ -72,7 +72,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at:
   if (w[0].scalar_type() == at::kByte) {
     y = igserve::q4_linear(x, w[0], w[1], q8, w.size() > 2 ? std::optional<at::Tensor>(w[2]) : std::nullopt);
   } else if (w[0].scalar_type() == at::kChar) {
-    y = igserve::i8_linear(x, w[0], w[1]);
+    y = igserve::i8_linear(x, w[0], w[1], w.size() > 2 ? std::optional<at::Tensor>(w[2]) : std::nullopt);
   } else {
     TORCH_CHECK(w[0].scalar_type() == at::kFloat, "dense weights must be float32");
     y = at::linear(x, w[0]);

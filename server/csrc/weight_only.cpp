@@ -371,6 +371,15 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w) {
   return stack[0].toTensor();
 }
 
+// x @ wide^T in bf16 for calls of WIDE_ROWS rows and more on a linear that has a bf16 copy; else none.
+std::optional<at::Tensor> wide_or_none(const at::Tensor& x, const std::optional<at::Tensor>& wide, int64_t N,
+                                       int64_t K) {
+  if (!wide || !wide->defined() || x.size(0) < WIDE_ROWS) return std::nullopt;
+  TORCH_CHECK(wide->scalar_type() == at::kBFloat16 && wide->size(0) == N && wide->size(1) == K,
+              "wide must be the bfloat16 weight [N, K]");
+  return wide_linear(x.to(at::kBFloat16), *wide).to(at::kFloat);
+}
+
 }  // namespace
 
 namespace igserve {
@@ -379,11 +388,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                      const std::optional<at::Tensor>& wide) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2;
   check_x(x, K);
-  if (wide && wide->defined() && x.size(0) >= WIDE_ROWS) {
-    TORCH_CHECK(wide->scalar_type() == at::kBFloat16 && wide->size(0) == N && wide->size(1) == K,
-                "wide must be the bfloat16 weight [N, K]");
-    return wide_linear(x.to(at::kBFloat16), *wide).to(at::kFloat);
-  }
+  if (auto y = wide_or_none(x, wide, N, K)) return *y;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs must be contiguous uint8 [N, K/2]");
   TORCH_CHECK(dm.scalar_type() == at::kInt && dm.is_contiguous() && dm.numel() == N * (K / GROUP),
               "dm must be contiguous int32 [N, K/32] (fp16 d, m pairs)");
@@ -414,9 +419,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return y;
 }
 
-at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& wide) {
   const int64_t N = q.size(0), K = q.size(1);
   check_x(x, K);
+  if (auto y = wide_or_none(x, wide, N, K)) return *y;
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be float32 [N]");
   const int64_t R = x.size(0);
@@ -437,7 +444,7 @@ int64_t wide_rows() { return WIDE_ROWS; }
 TORCH_LIBRARY(igserve, lib) {
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm, bool q8=False, Tensor? wide=None) -> Tensor");
   lib.def("wide_rows() -> int", wide_rows);
-  lib.def("i8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  lib.def("i8_linear(Tensor x, Tensor q, Tensor scales, Tensor? wide=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
@@ -448,4 +455,5 @@ TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
 // An int4bf16 weight reordered for oneDNN is an MkldnnCPU tensor, which routes the call here.
 TORCH_LIBRARY_IMPL(igserve, MkldnnCPU, lib) {
   lib.impl("q4_linear", igserve::q4_linear);
+  lib.impl("i8_linear", igserve::i8_linear);
 }

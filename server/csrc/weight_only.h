@@ -8,6 +8,7 @@ namespace igserve {
 // (weight_only.cpp)
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8 = false,
                      const std::optional<at::Tensor>& wide = std::nullopt);
-// x [R, K] float32 @ (q * scales[:, None])^T, q int8 [N, K] -> [R, N]
-at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
+// x [R, K] float32 @ (q * scales[:, None])^T, q int8 [N, K] -> [R, N]; wide: as for q4_linear
+at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& wide = std::nullopt);
 }  // namespace igserve
