@@ -105,7 +105,11 @@ def run(args) -> int:
             row["greedy_prefix_agreement"] = round(sum(agree) / len(agree), 4)
             row["greedy_identical_prompts"] = sum(a == 1.0 for a in agree)
         print({k: v for k, v in row.items() if k != "greedy_tokens"}, flush=True)
-        rows.append(row)
+        same = [i for i, r in enumerate(rows) if r["weights"] == row["weights"]]
+        if same:  # measured again (--append): the new row takes the old one's place
+            rows[same[0]] = row
+        else:
+            rows.append(row)
         report = {"model": args.model, "data": str(args.data), "docs": len(docs), "max_len": args.max_len,
                   "agreement_prompts": len(items), "agree_tokens": args.agree_tokens,
                   "reference": rows[0]["weights"], "commands": commands, "formats": rows}

@@ -369,3 +369,29 @@ def test_kernel_build_folder_follows_the_sources(tmp_path, monkeypatch):
     assert cpu_kernels._source_digest() == first
     (tmp_path / "weight_only.h").write_text("// changed\n")
     assert cpu_kernels._source_digest() != first
+
+
+def test_bench_quality_appends_a_format_and_replaces_one_measured_again(tiny_model_dir, tmp_path):
+    """fp32 is the reference (ppl ratio 0, agreement 1); a format run again with --append takes
+    its earlier row's place instead of adding one, and its figures are measured, not copied."""
+    import json
+
+    from server import cli
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for domain, text in (("a", "The cat sat on the mat and looked at the dog."), ("b", "def f(x): return x * 2")):
+        (data / f"{domain}.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    out = tmp_path / "q.json"
+    common = ["--model", str(tiny_model_dir), "--data", str(data), "--docs-per-domain", "1", "--max-len", "16",
+              "--prompts", "2", "--agree-tokens", "4", "--json", str(out)]
+    assert cli.main(["bench", "quality", "--weights", "fp32,int4", *common]) == 0
+    first = json.loads(out.read_text())
+    assert [r["weights"] for r in first["formats"]] == ["fp32", "int4"]
+    ref, int4 = first["formats"]
+    assert ref["ppl_vs_first"] == 0 and ref["greedy_prefix_agreement"] == 1 and ref["tokens"] > 0
+    assert 0 <= int4["greedy_prefix_agreement"] <= 1 and int4["ppl"] > 1
+    assert cli.main(["bench", "quality", "--weights", "int8,int4", "--append", *common]) == 0
+    again = json.loads(out.read_text())
+    assert [r["weights"] for r in again["formats"]] == ["fp32", "int4", "int8"]
+    assert again["formats"][1]["ppl"] == pytest.approx(int4["ppl"], rel=1e-3) and len(again["commands"]) == 2
