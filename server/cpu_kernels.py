@@ -104,6 +104,7 @@ def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = F
     return torch.ops.igserve.q4_linear(x2, qs, dm, q8, wide)
 
 
+@functools.cache
 def wide_rows() -> int:
     """Rows from which an int4bf16 linear multiplies in bfloat16 (``WIDE_ROWS``, weight_only.cpp)."""
     return torch.ops.igserve.wide_rows()

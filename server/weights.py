@@ -135,9 +135,20 @@ class _WeightOnlyLinear(torch.nn.Module):
 
     @property
     def wide(self) -> torch.Tensor | None:
-        """int4bf16: the weight the kernel multiplies calls of many rows with (else None)."""
+        """int4bf16: the weight the kernel multiplies calls of many rows with (else None), made on
+        first use, so that the parts of a fused linear, which serving never calls, never hold one."""
         packed = getattr(self, "_wide", None)  # absent on stacks of torch-kernel parts
+        if packed is True:
+            packed = self._wide = _Packed(_wide_weight(self.dequantized()))
         return None if packed is None else packed.tensor
+
+    def _wide_for(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """``wide`` for a call that multiplies in bf16 (``cpu_kernels.wide_rows()`` rows or more)."""
+        from server import cpu_kernels
+
+        if getattr(self, "_wide", None) is None or x2.shape[0] < cpu_kernels.wide_rows():
+            return None
+        return self.wide
 
 
 class Int4Linear(_WeightOnlyLinear):
@@ -155,8 +166,8 @@ class Int4Linear(_WeightOnlyLinear):
         self.native = native
         self.q8 = native and q8
         # int4bf16: the weight in bfloat16 too, for calls of many rows (an attribute, not a buffer:
-        # what a one-row step reads, and so the cost model, stays the int4 groups)
-        self._wide = _Packed(_wide_weight(groups.dequantize())) if native and wide else None
+        # what a one-row step reads, and so the cost model, stays the int4 groups); made on first use
+        self._wide = True if native and wide else None
         if n % 16:
             raise ValueError(f"int4 needs out_features divisible by 16, got {n}")
         if native:
@@ -180,7 +191,7 @@ class Int4Linear(_WeightOnlyLinear):
         if self.native:
             from server import cpu_kernels
 
-            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8, self.wide)
+            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8, self._wide_for(x2))
         if self.cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
@@ -192,7 +203,7 @@ class Int4Linear(_WeightOnlyLinear):
         shapes packs the same as the whole; otherwise the parts run one after another."""
         if parts[0].native:
             out = _stacked(cls, parts, {"qs": 0, "dm": 0, "bias": 0})
-            out._wide = None if parts[0].wide is None else _Packed(_wide_weight(torch.cat([p.dequantized() for p in parts])))
+            out._wide = None if parts[0]._wide is None else True
             return out
         if not _torch_int4_rows_stack(tuple(p.out_features for p in parts), parts[0].in_features,
                                       str(parts[0].packed.device)):
@@ -257,7 +268,7 @@ class Int8Linear(_WeightOnlyLinear):
         self.register_buffer("scales", scale.to(device=device, dtype=dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
         # int4bf16's lm_head: its int8 weights in bfloat16 too, for calls of many rows (as Int4Linear)
-        self._wide = _Packed(_wide_weight(self.dequantized())) if native and wide else None
+        self._wide = True if native and wide else None
 
     @property
     def kernel_dtype(self) -> torch.dtype:
@@ -267,7 +278,7 @@ class Int8Linear(_WeightOnlyLinear):
         if self.native:  # one kernel for every row count (server/cpu_kernels.py)
             from server import cpu_kernels
 
-            return cpu_kernels.i8_linear(x2.contiguous(), self.weight, self.scales, self.wide)
+            return cpu_kernels.i8_linear(x2.contiguous(), self.weight, self.scales, self._wide_for(x2))
         if x2.is_cuda:  # untested: dequantising matmul
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if x2.shape[0] >= self.DENSE_ROWS:
@@ -277,7 +288,7 @@ class Int8Linear(_WeightOnlyLinear):
     @classmethod
     def cat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
         out = _stacked(cls, parts, {"weight": 0, "scales": 0, "bias": 0})
-        out._wide = None if parts[0].wide is None else _Packed(_wide_weight(out.dequantized()))
+        out._wide = None if getattr(parts[0], "_wide", None) is None else True
         return out
 
     def dequantized(self) -> torch.Tensor:

@@ -395,3 +395,22 @@ def test_bench_quality_appends_a_format_and_replaces_one_measured_again(tiny_mod
     again = json.loads(out.read_text())
     assert [r["weights"] for r in again["formats"]] == ["fp32", "int4", "int8"]
     assert again["formats"][1]["ppl"] == pytest.approx(int4["ppl"], rel=1e-3) and len(again["commands"]) == 2
+
+
+@native
+def test_int4bf16_builds_bf16_weights_only_for_the_linears_a_step_runs(tiny_model_dir):
+    """The fused q/k/v and gate/up, o, down and the lm_head get their bf16 copy; the HF parts the
+    runner fused (never called in serving) do not, until something calls them with many rows."""
+    lm = models.load(str(tiny_model_dir), dtype=torch.float32, weights="int4bf16")
+    runner = BlockRunner(lm.model, max_batch=1, max_len=64)
+    layer = lm.model.model.layers[0]
+    with torch.no_grad():
+        runner.prefill([list(range(100, 100 + cpu_kernels.wide_rows() + 3))], torch.ones(1, 8, dtype=torch.bool), [0])
+    assert runner.qkv[0].wide is not None and runner.gate_up[0].wide is not None
+    assert layer.self_attn.o_proj._wide is not True and layer.mlp.down_proj._wide is not True
+    assert layer.self_attn.q_proj._wide is True and layer.mlp.up_proj._wide is True  # not built
+    assert lm.model.lm_head._wide is True  # a prefill takes the logits of its last position only
+    x = torch.randn(cpu_kernels.wide_rows(), layer.self_attn.q_proj.in_features)
+    layer.self_attn.q_proj(x)
+    lm.model.lm_head(x)
+    assert layer.self_attn.q_proj._wide is not True and lm.model.lm_head._wide is not True

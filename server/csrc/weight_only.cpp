@@ -360,7 +360,7 @@ void run(const W& w, const float* x, int64_t R, int64_t K, float* y, int64_t N) 
 
 // x [R, K] bf16 @ W^T for a bf16 W: oneDNN's matmul on a weight reordered once into its blocked
 // layout (mkldnn::_reorder_linear_weight, as torch.compile's CPU freezing does); plain at::linear
-// for an unreordered W. The reorder halves the time at 8-16 rows (bench/results/kernels.json).
+// for an unreordered W, which re-lays the weight out on every call (slower than int4 at 16 rows).
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w) {
   if (!w.is_mkldnn()) return at::linear(x, w);
   static const c10::OperatorHandle op =
