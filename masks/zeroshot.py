@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from masks.bank import DENSE, MaskBank
 from masks.corpus import ZEROSHOT_TASKS
-from masks.evaluate import METHODS, STATIC, save_figure, write_report
+from masks.evaluate import save_figure, write_report
 from masks.mc_tasks import MCExample, encode_pair, load_task, select
 
 BATCH_TOKENS = 2048  # rows x padded length per runner call (bounds the [rows, T, vocab] logits)

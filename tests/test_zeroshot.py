@@ -196,7 +196,7 @@ def test_planted_task_is_always_right(tiny):
     """Single-token choices of equal length: the gold one is the model's most likely next token under
     every distinct mask, the others its least likely; every method scores 100% on both metrics."""
     bank = make_bank(tiny)
-    masks, _ = zeroshot.unique_masks(bank, [*zeroshot.STATIC, *bank.mask_ids])
+    masks, _ = zeroshot.unique_masks(bank, [*bank.baselines, *bank.mask_ids])
     runner = BlockRunner(tiny.model, max_batch=1, max_len=64)
     contexts = ["The capital of the country is", "My favourite thing to cook is", "def main(): return",
                 "She opened the door and saw a", "Prove that the sum of two even numbers is"]
