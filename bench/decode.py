@@ -129,8 +129,7 @@ def run(args) -> int:
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
-        "command": f"igserve bench decode --model {args.model} --weights {args.weights} --batch {args.batch} "
-                   f"--new-tokens {args.new_tokens} --repeats {args.repeats} --json {args.json}",
+        "command": args.invocation,
         "runs": runs,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

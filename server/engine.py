@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from masks.bank import DENSE
 from router.router import Router
 from server.depth import AdaptiveDepth
 from server.detokenizer import Detokenizer, backend
@@ -102,14 +101,15 @@ class LLMEngine:
         each into a free slot of its own, kept as a freed slot's prefix: the first request routed
         to a mask then finds the shared start of its prompt cached, as later ones do. At most one
         mask per free slot; returns how many were warmed."""
-        masks = {DENSE: torch.ones(self.runner.num_blocks, dtype=torch.bool)}
+        masks = [torch.ones(self.runner.num_blocks, dtype=torch.bool)]
         if self.router is not None:
-            masks.update({m: self.router.masks[m] for m in self.router.mask_ids_at()})
+            masks += [self.router.masks[m] for m in self.router.mask_ids_at()]
+        masks = list({tuple(m.tolist()): m for m in masks}.values())  # ids with equal bits share a prefix
         sched = self.scheduler
         slots = [s for s in sched.free_slots if s not in sched.prefixes][: len(masks)]
         if len(tokens) < 2 or not slots:
             return 0
-        chosen = list(masks.values())[: len(slots)]
+        chosen = masks[: len(slots)]
         self.runner.prefill([tokens] * len(slots), torch.stack(chosen), slots)
         for slot, mask in zip(slots, chosen):
             sched.hold_prefix(slot, tokens, mask)

@@ -202,9 +202,7 @@ class Int4Linear(_WeightOnlyLinear):
         height depends on the CPU (64 on AVX-512), so its parts stack only where a probe of the same
         shapes packs the same as the whole; otherwise the parts run one after another."""
         if parts[0].native:
-            out = _stacked(cls, parts, {"qs": 0, "dm": 0, "bias": 0})
-            out._wide = None if parts[0]._wide is None else True
-            return out
+            return _stacked(cls, parts, {"qs": 0, "dm": 0, "bias": 0})
         if not _torch_int4_rows_stack(tuple(p.out_features for p in parts), parts[0].in_features,
                                       str(parts[0].packed.device)):
             return Concat(parts)
@@ -287,9 +285,7 @@ class Int8Linear(_WeightOnlyLinear):
 
     @classmethod
     def cat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
-        out = _stacked(cls, parts, {"weight": 0, "scales": 0, "bias": 0})
-        out._wide = None if getattr(parts[0], "_wide", None) is None else True
-        return out
+        return _stacked(cls, parts, {"weight": 0, "scales": 0, "bias": 0})
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
@@ -332,6 +328,7 @@ def _stacked(cls, parts, dims: dict[str, int]):
         bufs = [getattr(p, name) for p in parts]
         out.register_buffer(name, None if bufs[0] is None else torch.cat(bufs, dim))
     out.out_features = sum(p.out_features for p in parts)
+    out._wide = None if getattr(parts[0], "_wide", None) is None else True  # its own bf16 copy, made on first use
     return out
 
 

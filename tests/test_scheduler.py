@@ -433,12 +433,13 @@ def test_a_failed_request_leaves_no_prefix_and_scored_prompts_prefill_whole(toke
 
 def test_warmed_prefixes_serve_the_first_request_of_each_mask(tokenizer):
     """The shared start of chat prompts, warmed at start-up under dense and every mask the router
-    may pick (one free slot each), is reused by the first request of each mask; the outputs equal
+    may pick (one free slot per distinct mask), is reused by the first request of each mask; the outputs equal
     those of an engine that prefilled them whole. A mask the router cannot pick is not warmed."""
     prefix = [900 + i for i in range(12)]
-    router = SimpleNamespace(masks={"skip": SKIP_TWO, "never": ~SKIP_TWO}, mask_ids_at=lambda: ["skip"])
+    router = SimpleNamespace(masks={"skip": SKIP_TWO, "same": SKIP_TWO.clone(), "never": ~SKIP_TWO},
+                             mask_ids_at=lambda: ["skip", "same"])
     eng = LLMEngine(FakeRunner(max_batch=4), tokenizer, router=router, shared_prefix=prefix)
-    assert eng.warm_prefixes(prefix) == 2
+    assert eng.warm_prefixes(prefix) == 2  # dense and SKIP_TWO once: equal bits share a slot
     assert sorted(len(p.tokens) for p in eng.scheduler.prefixes.values()) == [12, 12]
     reqs = [make(0, ids=prefix + [1000 + i], mask=mask) for i, mask in enumerate((None, SKIP_TWO, ~SKIP_TWO))]
     for req in reqs:

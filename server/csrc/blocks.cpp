@@ -69,10 +69,11 @@ float exp1(float x) {
 at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at::Tensor>& bias, bool q8) {
   TORCH_CHECK(!w.empty(), "a linear needs its weight tensors");
   at::Tensor y;
+  const auto wide = w.size() > 2 ? std::optional<at::Tensor>(w[2]) : std::nullopt;  // int4bf16's bf16 copy
   if (w[0].scalar_type() == at::kByte) {
-    y = igserve::q4_linear(x, w[0], w[1], q8, w.size() > 2 ? std::optional<at::Tensor>(w[2]) : std::nullopt);
+    y = igserve::q4_linear(x, w[0], w[1], q8, wide);
   } else if (w[0].scalar_type() == at::kChar) {
-    y = igserve::i8_linear(x, w[0], w[1], w.size() > 2 ? std::optional<at::Tensor>(w[2]) : std::nullopt);
+    y = igserve::i8_linear(x, w[0], w[1], wide);
   } else {
     TORCH_CHECK(w[0].scalar_type() == at::kFloat, "dense weights must be float32");
     y = at::linear(x, w[0]);
