@@ -118,8 +118,9 @@ class LLMEngine:
         return len(slots)
 
     def measure_cost(self, repeats: int = 3) -> StepCost:
-        """Time decode steps (1 and a full batch of rows) and prefill chunks (8 and 64 tokens) on the
-        serving thread, so the scheduler can size each step's prefill chunk by its decode time."""
+        """Time decode steps (1 and a full batch of rows) and prefill chunks (8 and 64 tokens; beside a
+        decoding row where they share its forward) on the serving thread, so the scheduler can size
+        each step's prefill chunk by its decode time."""
         n = self.max_batch
         dense = torch.ones(n, self.runner.num_blocks, dtype=torch.bool)
         slots = list(range(n))  # all free at warm-up
@@ -134,8 +135,12 @@ class LLMEngine:
             return sorted(times)[len(times) // 2]
 
         self.runner.prefill([[0] * 64], dense[:1], slots[:1])
-        chunk = {t: timed(lambda t=t: self.runner.extend([[0] * t], [0], dense[:1], slots[:1])) for t in (8, 64)}
         decode = {r: timed(lambda r=r: self.runner.decode([0] * r, [64] * r, dense[:r], slots[:r])) for r in (1, n)}
+        if self.runner.packs_rows and n > 1:  # the chunk joins the decoding rows' forward: what it adds to one
+            chunk = {t: timed(lambda t=t: self.runner.extend([[0], [0] * t], [64, 0], dense[:2], slots[:2]))
+                     - decode[1] for t in (8, 64)}
+        else:
+            chunk = {t: timed(lambda t=t: self.runner.extend([[0] * t], [0], dense[:1], slots[:1])) for t in (8, 64)}
         per_row = max(0.0, (decode[n] - decode[1]) / max(n - 1, 1))
         per_token = max((chunk[64] - chunk[8]) / 56, 1e-6)
         cost = StepCost(decode[1] - per_row, per_row, max(0.0, chunk[8] - 8 * per_token), per_token)
@@ -179,13 +184,12 @@ class LLMEngine:
         now = time.monotonic()
         for req in sched.admitted:
             req.scheduled_time = now
-        decode = [r for r in sched.decode if not r.finished]
-        if decode:
-            rows = [Chunk(r, r.num_tokens - 1, 1) for r in decode]
-            outputs += self._execute(rows, [[r.output_ids[-1]] for r in decode])
-        prefill = [c for c in sched.prefill if not c.request.finished]
-        if prefill:
-            outputs += self._execute(prefill, [c.token_ids for c in prefill])
+        decode = [(Chunk(r, r.num_tokens - 1, 1), [r.output_ids[-1]]) for r in sched.decode if not r.finished]
+        prefill = [(c, c.token_ids) for c in sched.prefill if not c.request.finished]
+        # one forward for both where padding costs nothing: the weights stream once per step
+        for group in filter(None, [decode + prefill] if self.runner.packs_rows else [decode, prefill]):
+            rows, tokens = zip(*group)
+            outputs += self._execute(list(rows), list(tokens))
         return outputs
 
     def _route(self, requests: list[Request]) -> list[tuple[Request, Exception]]:

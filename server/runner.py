@@ -120,6 +120,12 @@ class BlockRunner:
         if fused and self.fused is None:
             raise ValueError("the fused CPU blocks need float32 on a CPU with igserve's kernels and SiLU FFNs")
 
+    @property
+    def packs_rows(self) -> bool:
+        """Cached forwards cost what their real tokens cost, not the padded chunk length (the fused
+        blocks gather the real tokens), so decode rows and prefill chunks can share one forward."""
+        return self.fused is not None
+
     def fused_linears(self, i: int) -> dict[str, torch.nn.Module]:
         """Layer i's four linears as the fused blocks run them (q/k/v and gate/up fused)."""
         layer = self.layers[i]

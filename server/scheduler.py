@@ -57,8 +57,8 @@ IDLE_CHUNK = 512  # prefill tokens of a step with nothing decoding: new arrivals
 @dataclass(frozen=True)
 class StepCost:
     """Measured step time (at start-up): decoding r rows takes ``decode_s + per_row_s * r``, a
-    prefill chunk of t tokens ``chunk_s + per_token_s * t`` (a second forward, so it has its own
-    fixed cost)."""
+    prefill chunk of t tokens adds ``chunk_s + per_token_s * t`` (in the decoding rows' forward
+    where the runner packs rows, else a second forward with a fixed cost of its own)."""
 
     decode_s: float
     per_row_s: float

@@ -168,13 +168,15 @@ def test_mixed_mask_batch_equals_alone(tiny, fused):
         torch.testing.assert_close(batch_logits[i], alone_logits[0], atol=1e-4, rtol=0)
 
 
-def test_engine_batch_with_joins_equals_alone(tiny):
-    """Continuous batching: requests that join mid-flight and leave early match solo runs."""
+def test_engine_batch_with_joins_equals_alone(tiny, fused):
+    """Continuous batching: requests that join mid-flight and leave early match solo runs (the
+    fused path runs a joining prompt in the decoding rows' forward, the eager one beside it)."""
     all_masks = list(masks_for(8).values())
     prompts = random_prompts(5, [4, 19, 9, 33, 14], seed=4)
     masks = [all_masks[i % len(all_masks)] for i in range(5)]
     max_tokens = [12, 5, 16, 7, 10]
-    runner = BlockRunner(tiny.model, max_batch=3, max_len=256)  # fewer slots than requests
+    runner = BlockRunner(tiny.model, max_batch=3, max_len=256, fused=fused)  # fewer slots than requests
+    assert runner.packs_rows == fused
     engine = LLMEngine(runner, tiny.tokenizer)
     reqs = [Request(p, m, SamplingParams(max_tokens=n, temperature=0)) for p, m, n in zip(prompts, masks, max_tokens)]
     engine.add(reqs[0])

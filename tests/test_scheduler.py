@@ -21,8 +21,9 @@ BLOCKS = 8
 
 
 class FakeRunner:
-    def __init__(self, max_batch: int = 4, max_len: int = 512):
+    def __init__(self, max_batch: int = 4, max_len: int = 512, packs_rows: bool = False):
         self.cache = SimpleNamespace(max_batch=max_batch)
+        self.packs_rows = packs_rows  # decode rows and prefill chunks in one call
         self.max_len, self.num_blocks, self.device = max_len, BLOCKS, "cpu"
         self.config = SimpleNamespace(eos_token_id=2)
         self.kv: dict[int, list[int]] = {}
@@ -113,6 +114,25 @@ def test_running_streams_decode_in_every_step_while_a_long_prompt_prefills(token
     assert steps >= 100 // 6  # 8 tokens a step minus the 2 decode rows
     eng.generate([])
     assert long.output_ids == alone(tokenizer, long)
+
+
+def test_a_runner_that_packs_rows_gets_decode_rows_and_prefill_chunks_in_one_call(tokenizer):
+    runner = FakeRunner(max_batch=4, packs_rows=True)
+    eng = LLMEngine(runner, tokenizer, max_num_batched_tokens=8)
+    streams = [make(3, max_tokens=40, first=1000), make(3, max_tokens=40, first=1100)]
+    for r in streams:
+        eng.add(r)
+    eng.step()
+    long = make(30, first=5000)
+    eng.add(long)
+    while long.prefilling or not long.output_ids:
+        before = len(runner.calls)
+        eng.step()
+        assert len(runner.calls) == before + 1  # one forward per step
+        assert runner.calls[-1]["lengths"][:2] == [1, 1] and len(runner.calls[-1]["lengths"]) == 3  # streams + chunk
+    eng.generate([])
+    for req in streams + [long]:
+        assert req.output_ids == alone(tokenizer, req)
 
 
 def test_with_nothing_decoding_a_long_prompt_goes_in_one_step(tokenizer):
