@@ -2,13 +2,15 @@
 
 ``step()`` asks the scheduler (server.scheduler) for one step's work: a decode token for every
 running request and prefill chunks within the token budget. The requests the step admits are
-routed first, in one encoder batch. Decode rows run as one batched forward, prefill chunks as
-another; rows with different masks share each (the runner skips a block for the rows whose mask
-skips it). Postprocessing samples, detokenises incrementally and applies stop conditions.
+routed first, in one encoder batch. Decode rows and prefill chunks run as one batched forward
+where the runner packs rows (its cost follows real tokens, not padding), else as two; rows with
+different masks share each (the runner skips a block for the rows whose mask skips it). Postprocessing samples, detokenises incrementally and applies stop conditions.
 Choices of one prompt (n > 1) prefill it once: when the first one's prefill is done, the others
 get a copy of its cached prompt and sample their first tokens from the same logits. A request
 whose prompt starts with tokens a free slot still holds under the same mask (a shared system
-prompt, the previous turn of a chat) skips their prefill (``_reuse_prefixes``).
+prompt, the previous turn of a chat) skips their prefill (``_reuse_prefixes``); so does one whose
+prompt starts with the chat template's shared prefix when only its K/V under the request's mask,
+kept per mask once computed, are at hand: they are copied into its slot.
 
 A failure fails only the requests it belongs to: a routing error the requests being routed, a
 forward that raises is retried row by row, and a row with non-finite logits or whose sampling or
@@ -75,6 +77,9 @@ class LLMEngine:
         self.blocks_executed = torch.zeros(2, dtype=torch.long)  # attn, ffn (token-blocks)
         # the tokens every chat prompt starts with (the template's system turn): warmed per mask
         self.shared_prefix = shared_prefix if prefix_cache else None
+        # their K/V per mask (bits) once computed, copied into the slot of a request whose own slot
+        # and the free ones hold none under its mask (all slots busy, or held by other masks)
+        self._shared_kv: dict[bytes, object] = {}
 
     @property
     def waiting(self):
@@ -113,6 +118,9 @@ class LLMEngine:
         self.runner.prefill([tokens] * len(slots), torch.stack(chosen), slots)
         for slot, mask in zip(slots, chosen):
             sched.hold_prefix(slot, tokens, mask)
+            saved = self.runner.save_prefix(slot, len(tokens)) if tokens == self.shared_prefix else None
+            if saved is not None:
+                self._shared_kv[_bits(mask)] = saved
         log.info("prefix cache: the %d shared prompt tokens warmed under %d of %d masks", len(tokens), len(slots),
                  len(masks))
         return len(slots)
@@ -215,11 +223,35 @@ class LLMEngine:
             chunk = chunks.get(id(req))
             if chunk is None or req.finished:  # failed routing
                 continue
-            hit = self.scheduler.bind_prefix(req)
+            hit = self._shared_prefix_hit(req, self.scheduler.bind_prefix(req))
             if hit:
                 end = max(chunk.start + chunk.length, hit + 1)
                 chunk.start, chunk.length = hit, end - hit
                 req.num_computed = req.num_cached = hit
+
+    def _shared_prefix_hit(self, req: Request, hit: int) -> int:
+        """The prompt tokens req skips: ``hit`` (its slot's cached prefix), or the shared prefix
+        where that is longer and its K/V under req's mask are kept (copied into req's slot)."""
+        n = len(self.shared_prefix or ())
+        if hit >= n or len(req.prompt_ids) <= n or not self.scheduler.reuses_prefixes(req) \
+                or req.prompt_ids[:n] != self.shared_prefix:
+            return hit
+        saved = self._shared_kv.get(_bits(req.mask))
+        if saved is None:
+            return hit
+        self.runner.load_prefix(saved, req.slot)
+        return n
+
+    def _keep_shared_prefix(self, rows: list[Chunk]) -> None:
+        """Keep the shared prefix's K/V under the mask of each chunk that just computed it, once per mask."""
+        n = len(self.shared_prefix or ())
+        for c in rows:
+            req = c.request
+            if c.start < n <= c.start + c.length and req.prompt_ids[:n] == self.shared_prefix \
+                    and _bits(req.mask) not in self._shared_kv:
+                saved = self.runner.save_prefix(req.slot, n)
+                if saved is not None:
+                    self._shared_kv[_bits(req.mask)] = saved
 
     def _execute(self, rows: list[Chunk], tokens: list[list[int]]) -> list[StepOutput]:
         """One forward over rows; a row that makes it fail is found by running the rows one by one."""
@@ -248,6 +280,7 @@ class LLMEngine:
                 outputs.append(self._fail(reqs[i], RequestFailed(f"scoring the prompt failed: {exc}")))
         for c in rows:
             c.request.num_computed = c.start + c.length
+        self._keep_shared_prefix(rows)
         done = [i for i, c in enumerate(rows) if not c.request.prefilling and not c.request.finished]
         # (request, row of logits it samples from): the rows that are done, and the choices that
         # share the prefill of a prompt finished in this step (they sample from its logits)
@@ -383,3 +416,8 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return requests
+
+
+def _bits(mask: torch.Tensor) -> bytes:
+    """A mask as a dict key: masks with equal bits compute equal K/V."""
+    return bytes(mask.tolist())

@@ -74,6 +74,19 @@ class KVCache:
             ck[index, :, :length] = ck[src, :, :length]
             cv[index, :, :length] = cv[src, :, :length]
 
+    def save(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """A copy of the first ``length`` positions of slot at every layer, for ``load``; None if
+        they hold a non-finite value (what a failing request may leave)."""
+        k = [ck[slot, :, :length].clone() for ck in self.k]
+        v = [cv[slot, :, :length].clone() for cv in self.v]
+        return (k, v) if all(bool(t.isfinite().all()) for t in k + v) else None
+
+    def load(self, saved: tuple[list[torch.Tensor], list[torch.Tensor]], slot: int) -> None:
+        """Write a ``save``d prefix into the first positions of slot."""
+        for ck, cv, k, v in zip(self.k, self.v, *saved):
+            ck[slot, :, :k.shape[1]] = k
+            cv[slot, :, :v.shape[1]] = v
+
 
 class BlockRunner:
     """Runs a frozen HF causal LM block by block under per-row masks or gates."""
@@ -323,6 +336,14 @@ class BlockRunner:
     def copy_slot(self, src: int, dsts: list[int], length: int) -> None:
         """Share a cached prefix: copy the first ``length`` positions of slot src into dsts."""
         self.cache.copy_prefix(src, dsts, length)
+
+    def save_prefix(self, slot: int, length: int):
+        """The K/V of slot's first ``length`` positions, to be written into another slot later
+        (None if not finite)."""
+        return self.cache.save(slot, length)
+
+    def load_prefix(self, saved, slot: int) -> None:
+        self.cache.load(saved, slot)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

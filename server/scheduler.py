@@ -186,6 +186,12 @@ class Scheduler:
         self.running.append(req)
         req.slot_prefix = self.prefixes.pop(req.slot, None)  # to be overwritten, unless ``bind_prefix`` moves it
 
+    def reuses_prefixes(self, req: Request) -> bool:
+        """Whether req may start from K/V computed before: prefix caching on, nothing computed yet,
+        no prompt scoring (it needs every position's logits), no prefill shared with another choice."""
+        return self.prefix_cache and not req.num_computed and req.prompt_logprobs is None \
+            and req.shares_prefill_of is None
+
     def bind_prefix(self, req: Request) -> int:
         """Move a request just admitted (mask known) to the free slot, its own included, holding the
         longest prefix of its prompt computed under the same mask; with none, to a free slot holding
@@ -196,8 +202,7 @@ class Scheduler:
             self.prefixes[req.slot], req.slot_prefix = req.slot_prefix, None
         candidates = [req.slot] + self.free_slots
         best, hit = None, 0
-        if self.prefix_cache and not req.num_computed and req.prompt_logprobs is None \
-                and req.shares_prefill_of is None:
+        if self.reuses_prefixes(req):
             for slot in candidates:
                 held = self.prefixes.get(slot)
                 if held is not None and torch.equal(held.mask, req.mask):

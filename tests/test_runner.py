@@ -191,6 +191,22 @@ def test_engine_batch_with_joins_equals_alone(tiny, fused):
         assert r.output_ids == engine_greedy(tiny, [p], [m], max_tokens=n)[0]
 
 
+def test_engine_copies_the_shared_prefix_of_a_mask_into_a_slot_exactly(tiny, fused):
+    """A request whose slot holds the shared prefix under another mask gets the K/V its own mask
+    computed earlier copied in, and generates what it generates alone."""
+    prefix, a, b, c = random_prompts(4, [10, 3, 4, 5], seed=7)
+    mask = masks_for(8)["mixed"]
+    runner = BlockRunner(tiny.model, max_batch=1, max_len=256, fused=fused)
+    engine = LLMEngine(runner, tiny.tokenizer, shared_prefix=prefix)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    dense = torch.ones(8, dtype=torch.bool)
+    reqs = [Request(prefix + a, mask, params), Request(prefix + b, dense, params), Request(prefix + c, mask, params)]
+    for r in reqs:  # one slot: each overwrites what the one before left
+        engine.generate([r])
+    assert [r.num_cached for r in reqs] == [0, 0, len(prefix)]
+    assert reqs[2].output_ids == engine_greedy(tiny, [prefix + c], [mask], max_tokens=8)[0]
+
+
 # ---------------------------------------------------------------------------- soft gates
 def test_soft_gates_share_the_hard_mask_path(tiny):
     runner = BlockRunner(tiny.model, max_batch=1, max_len=256)

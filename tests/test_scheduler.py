@@ -30,6 +30,7 @@ class FakeRunner:
         self.calls: list[dict] = []
         self.poison: set[int] = set()  # a chunk holding one of these tokens raises
         self.nan: set[int] = set()  # ... gives non-finite logits for its row
+        self.loads: list[int] = []  # slots a saved prefix was written into
 
     def extend(self, chunks, starts, masks, slots):
         self.calls.append({"lengths": [len(c) for c in chunks], "starts": list(starts), "slots": list(slots)})
@@ -55,6 +56,13 @@ class FakeRunner:
     def copy_slot(self, src, dsts, length):
         for dst in dsts:
             self.kv[dst] = list(self.kv[src][:length])
+
+    def save_prefix(self, slot, length):
+        return list(self.kv[slot][:length])
+
+    def load_prefix(self, saved, slot):
+        self.loads.append(slot)
+        self.kv[slot] = saved + self.kv.get(slot, [])[len(saved):]
 
 
 @pytest.fixture(scope="module")
@@ -469,6 +477,31 @@ def test_warmed_prefixes_serve_the_first_request_of_each_mask(tokenizer):
     assert LLMEngine(FakeRunner(), tokenizer, prefix_cache=False, shared_prefix=prefix).shared_prefix is None
     full = LLMEngine(FakeRunner(max_batch=1), tokenizer, router=router)
     assert full.warm_prefixes(prefix) == 1 and full.warm_prefixes(prefix) == 0  # no free slot left holds nothing
+
+
+def test_the_shared_prefix_is_copied_in_when_no_free_slot_holds_it_under_the_mask(tokenizer):
+    """With every slot busy or holding other masks' K/V, a request still skips the shared prefix:
+    its K/V under the request's mask, kept once that mask first computed it, are copied into the
+    request's slot. Outputs equal a fresh engine's; a prompt that does not start with the prefix
+    and a mask never computed copy nothing."""
+    prefix = [900 + i for i in range(12)]
+    runner = FakeRunner(max_batch=2)
+    eng = LLMEngine(runner, tokenizer, shared_prefix=prefix)
+    first = make(0, ids=prefix + [1000], mask=SKIP_TWO, max_tokens=3)
+    eng.generate([first])  # computes the prefix under SKIP_TWO; its slot then holds it
+    assert first.num_cached == 0 and runner.loads == []
+    # both slots taken by dense streams: the next SKIP_TWO request finds no free slot holding its prefix
+    streams = [make(0, ids=prefix + [2000 + i], max_tokens=30) for i in range(2)]
+    for r in streams:
+        eng.add(r)
+    eng.step()
+    late = [make(0, ids=prefix + [3000, 3001], mask=SKIP_TWO), make(0, ids=[5] + prefix, mask=SKIP_TWO),
+            make(0, ids=prefix + [3100], mask=~SKIP_TWO)]
+    eng.generate(late)
+    assert [r.num_cached for r in late] == [12, 0, 0]
+    assert len(runner.loads) == 1
+    for req in streams + late:
+        assert req.output_ids == alone(tokenizer, req)
 
 
 def test_shared_chat_prefix_starts_every_rendered_chat(tiny):
