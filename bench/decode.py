@@ -102,6 +102,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="rows of the batched dense run (0: skip it)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="comma-separated K/V cache dtypes, each run per format (auto: as the server picks)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
 
@@ -110,7 +112,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     cases, runners, lms = _cases(args)
     lm0 = next(iter(lms.values()))
-    ids = lm0.tokenizer(PROMPT * 8, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
+    ids = lm0.tokenizer(PROMPT * (1 + args.prompt_tokens // 40), add_special_tokens=False)["input_ids"][: args.prompt_tokens]
     samples = _measure(cases, runners, lms, ids, args.new_tokens, args.repeats)
     runs = [_run_record(case, samples[case[0], case[1]], runners[case[1]]) for case in cases]
     for r in runs:
@@ -139,22 +141,27 @@ def run(args) -> int:
 
 
 def _cases(args) -> tuple[list[tuple], dict[str, BlockRunner], dict]:
-    """The cases (name, format, mask or None for HF, batch), and per weight format its runner and model."""
+    """The cases (name, format, mask or None for HF, batch), and per weight format (and K/V cache
+    dtype, ``FORMAT/kv-DTYPE`` when several are asked for) its runner and model."""
     cases, runners, lms = [], {}, {}
-    for fmt in [f for f in args.weights.split(",") if f]:
-        name, _, act = fmt.partition(":")
+    kvs = [k for k in args.kv_cache_dtypes.split(",") if k]
+    for spec in [f for f in args.weights.split(",") if f]:
+        name, _, act = spec.partition(":")
         resolved, dtype = models.resolve_weights(name, act or "auto")
         lm = models.load(args.model, dtype=dtype, weights=resolved)
-        lms[fmt] = lm
-        runners[fmt] = BlockRunner(lm.model, max_batch=max(1, args.batch),
-                                   max_len=args.prompt_tokens + args.new_tokens + 1)
-        dense = torch.ones(runners[fmt].num_blocks, dtype=torch.bool)
-        if fmt == "fp32":
-            cases.append(("hf_generate_dense", fmt, None, 1))
-        cases.append(("runner_dense", fmt, dense, 1))
-        if args.batch > 1:
-            cases.append((f"runner_dense_b{args.batch}", fmt, dense, args.batch))
-        cases += [(f"runner_{name}", fmt, mask, 1) for name, mask in skip_masks(runners[fmt].num_layers).items()]
+        for kv in kvs:  # one model, a runner (and cache) per K/V dtype
+            fmt = spec if len(kvs) == 1 else f"{spec}/kv-{kv}"
+            lms[fmt] = lm
+            runners[fmt] = BlockRunner(lm.model, max_batch=max(1, args.batch),
+                                       max_len=args.prompt_tokens + args.new_tokens + 1,
+                                       kv_dtype="auto" if kv == "auto" else getattr(torch, kv))
+            dense = torch.ones(runners[fmt].num_blocks, dtype=torch.bool)
+            if spec == "fp32" and kv == kvs[0]:
+                cases.append(("hf_generate_dense", fmt, None, 1))
+            cases.append(("runner_dense", fmt, dense, 1))
+            if args.batch > 1:
+                cases.append((f"runner_dense_b{args.batch}", fmt, dense, args.batch))
+            cases += [(f"runner_{n}", fmt, mask, 1) for n, mask in skip_masks(runners[fmt].num_layers).items()]
     return cases, runners, lms
 
 
@@ -185,6 +192,7 @@ def _run_record(case: tuple, got: list[tuple[float, float]], runner: BlockRunner
     return {
         "name": name, "weights": fmt, "batch": batch,
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(runner.cache.dtype).removeprefix("torch."),
         "skip_ratio": round(1 - float(mask.float().mean()), 4),
         "skipped_blocks": [b for b, keep in zip(runner.block_names, mask.tolist()) if not keep],
         "decode_tok_s": round(statistics.median(s[1] for s in got), 2),

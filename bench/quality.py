@@ -32,6 +32,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8, help="benchmark prompts for greedy agreement")
     parser.add_argument("--agree-tokens", type=int, default=32)
+    parser.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "float16", "auto"),
+                        help="the greedy runs' K/V cache (perplexity is cache-free); auto: as the server picks")
     parser.add_argument("--no-agree", default="", help="comma-separated formats without the agreement run")
     parser.add_argument("--append", action="store_true",
                         help="add formats to an existing --json report, against its first format")
@@ -75,6 +77,7 @@ def run(args) -> int:
         reference = {"ppl": rows[0]["ppl"], "outs": rows[0].get("greedy_tokens")}
     commands.append(f"igserve bench quality --weights {args.weights} --docs-per-domain {args.docs_per_domain} "
                     f"--max-len {args.max_len} --prompts {args.prompts} --agree-tokens {args.agree_tokens}"
+                    + (f" --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "float32" else "")
                     + (f" --no-agree {args.no_agree}" if args.no_agree else "") + (" --append" if args.append else ""))
     for fmt in [f for f in args.weights.split(",") if f]:
         start = time.perf_counter()
@@ -87,11 +90,14 @@ def run(args) -> int:
         prompts = [tok.apply_chat_template([{"role": "user", "content": it["prompt"]}], add_generation_prompt=True)
                    for it in items]
         prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
-        runner = BlockRunner(lm.model, max_batch=1, max_len=max(args.max_len, max(map(len, prompts)) + args.agree_tokens + 1))
+        kv = "auto" if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+        runner = BlockRunner(lm.model, max_batch=1, max_len=max(args.max_len, max(map(len, prompts)) + args.agree_tokens + 1),
+                             kv_dtype=kv)
         with torch.inference_mode():
             ppl, n = perplexity(runner, tok, docs, args.max_len, args.batch_size)
             outs = None if fmt in no_agree else greedy(runner, prompts, args.agree_tokens)
-        row = {"weights": weights, "dtype": str(dtype).removeprefix("torch."), "ppl": round(ppl, 4),
+        row = {"weights": weights, "dtype": str(dtype).removeprefix("torch."),
+               "kv_cache_dtype": str(runner.cache.dtype).removeprefix("torch."), "ppl": round(ppl, 4),
                "tokens": n, "seconds": round(time.perf_counter() - start, 1)}
         if reference is None:
             reference = {"ppl": ppl, "outs": outs}
@@ -105,7 +111,8 @@ def run(args) -> int:
             row["greedy_prefix_agreement"] = round(sum(agree) / len(agree), 4)
             row["greedy_identical_prompts"] = sum(a == 1.0 for a in agree)
         print({k: v for k, v in row.items() if k != "greedy_tokens"}, flush=True)
-        same = [i for i, r in enumerate(rows) if r["weights"] == row["weights"]]
+        same = [i for i, r in enumerate(rows) if (r["weights"], r.get("kv_cache_dtype", "float32"))
+                == (row["weights"], row["kv_cache_dtype"])]
         if same:  # measured again (--append): the new row takes the old one's place
             rows[same[0]] = row
         else:

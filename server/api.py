@@ -129,6 +129,7 @@ def _add_operations_routes(app: FastAPI, service: OpenAIServing) -> None:
         body = {"status": service.status if service.status != "ok" or service.healthy else "failed"}
         if loaded is not None:
             body.update(model=loaded.name, dtype=loaded.dtype, weights=loaded.weights, kernels=loaded.kernels,
+                        kv_cache_dtype=loaded.kv_cache_dtype,
                         routing="ig" if loaded.routing else "dense",
                         router=loaded.router.method if loaded.router else None, **_depth_state(loaded),
                         masks=list(loaded.masks), engine_alive=loaded.engine.alive,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from server import models, weights as wf
 
 DEFAULT_BANK = "masks/banks/smollm2-135m-instruct-routed.json"
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ROUTERS = ("learned", "centroid")  # router.router.METHODS (not imported here: that loads torch)
 
 
@@ -48,6 +49,9 @@ class ServeConfig:
                       choices=models.DTYPES)
     weights: str = _opt("auto", "linear weight format; auto: by CPU (README, weight formats)",
                         choices=wf.FORMATS)
+    kv_cache_dtype: str = _opt("auto", "K/V cache element type; auto: float16 where the fused CPU blocks run "
+                                       "(float32 activations on CPU), else the activations' dtype",
+                               choices=KV_DTYPES)
     max_batch: int = _opt(16, "sequences per step (KV cache slots)")
     max_queue: int = _opt(64, "waiting requests before 429")
     max_tokens_limit: int = _opt(1024, "largest max_tokens a request may ask for")

@@ -59,6 +59,7 @@ class Loaded:
     kernels: str  # "igserve-avx2" or "torch" (server/weights.py)
     structured: StructuredOutputs  # response_format grammars for this tokenizer (built once: walks the vocabulary)
     router: Router | None  # None: dense mode
+    kv_cache_dtype: str
 
 
 def bank_path(bank: str | None) -> Path | None:
@@ -102,7 +103,9 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     kernels = wf.kernels(lm.model)
     log.info("model %s: %s weights (%s kernels), %s activations on %s", lm.name, weights, kernels, dtype_name,
              cfg.device)
-    runner = BlockRunner(lm.model, max_batch=cfg.max_batch, max_len=cfg.max_model_len)
+    kv_dtype = "auto" if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
+    runner = BlockRunner(lm.model, max_batch=cfg.max_batch, max_len=cfg.max_model_len, kv_dtype=kv_dtype)
+    log.info("KV cache: %s, %d slots of %d positions", runner.cache.dtype, cfg.max_batch, runner.max_len)
     if cfg.adaptive_depth_budget is not None and not cfg.adaptive_depth:
         raise BankError("--adaptive-depth-budget needs --adaptive-depth")
     path = bank_path(cfg.bank)
@@ -139,7 +142,8 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     max_token_chars = max(len(t) for t in lm.tokenizer.convert_ids_to_tokens(list(range(len(lm.tokenizer)))))
     return Loaded(lm.name, lm.tokenizer, runner.max_len, lm.model.config.vocab_size, max_token_chars, masks,
                   router is not None, AsyncEngine(engine, cfg.max_queue, metrics, on_death), metrics, dtype_name,
-                  weights, kernels, StructuredOutputs(lm.tokenizer, lm.model.config.vocab_size), router)
+                  weights, kernels, StructuredOutputs(lm.tokenizer, lm.model.config.vocab_size), router,
+                  str(runner.cache.dtype).removeprefix("torch."))
 
 
 async def in_own_thread(fn, *args):

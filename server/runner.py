@@ -53,14 +53,15 @@ class KVCache:
         shape = (max_batch + 1, kv_heads, max_len, head_dim)  # + a scratch slot for padding writes
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.dtype = dtype
         self.max_batch = max_batch
         self.scratch = max_batch
         self.max_len = max_len
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store k, v [n, T, kv_heads, head_dim] at (slots [n, T], positions [n, T])."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
+        self.k[layer][slots, :, positions] = k.to(self.dtype)
+        self.v[layer][slots, :, positions] = v.to(self.dtype)
 
     def read(self, layer: int, slots: torch.Tensor, length: int, run: bool | None = None):
         """K and V of ``slots`` [n] up to ``length``; views when the slots are one ascending run
@@ -92,9 +93,11 @@ class BlockRunner:
     """Runs a frozen HF causal LM block by block under per-row masks or gates."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int = 8, max_len: int | None = None,
-                 fused: bool | None = None):
+                 fused: bool | None = None, kv_dtype: torch.dtype | str | None = None):
         """``fused``: run cached forwards through the fused CPU blocks; None uses them wherever
-        they apply (``fused_blocks``), True requires them."""
+        they apply (``fused_blocks``), True requires them. ``kv_dtype``: the K/V cache's; None: the
+        activations'; "auto": float16 where the fused blocks run (half the memory and what attention
+        reads, as llama.cpp's default cache), else the activations'."""
         cfg = model.config
         base = model.model
         self.model = model
@@ -113,8 +116,6 @@ class BlockRunner:
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.cache = KVCache(self.num_layers, max_batch, self.num_kv_heads, self.max_len, self.head_dim,
-                             self.dtype, self.device)
         self.cost = cost.CostModel.from_model(model)
         # q/k/v and gate/up as one matmul each; the HF modules keep views of the fused weights.
         self.qkv = [weights.fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
@@ -132,6 +133,10 @@ class BlockRunner:
         self.fused = self._fused_layers() if fused is not False else None
         if fused and self.fused is None:
             raise ValueError("the fused CPU blocks need float32 on a CPU with igserve's kernels and SiLU FFNs")
+        if kv_dtype == "auto":
+            kv_dtype = torch.float16 if self.fused is not None else None
+        self.cache = KVCache(self.num_layers, max_batch, self.num_kv_heads, self.max_len, self.head_dim,
+                             kv_dtype or self.dtype, self.device)
 
     @property
     def packs_rows(self) -> bool:
@@ -183,7 +188,7 @@ class BlockRunner:
         if cache_rows is not None:
             slots, write_slots, write_pos, run = cache_rows
             self.cache.write(i, write_slots, write_pos, k, v)
-            k, v = self.cache.read(i, slots, attn_mask.shape[-1], run)
+            k, v = (c.to(q.dtype) for c in self.cache.read(i, slots, attn_mask.shape[-1], run))
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.layers[i].self_attn.scaling,

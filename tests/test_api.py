@@ -76,6 +76,9 @@ def test_models_and_health(live_server, client, model, tiny_bank):
     expect = "igserve-avx2" if body["weights"] in ("int4", "int4q8", "int4bf16", "int8") and body["dtype"] == "float32" \
         and cpu_kernels.available() else "torch"
     assert body["kernels"] == expect
+    # auto: a float16 cache where the fused CPU blocks run (float32 activations with igserve's kernels)
+    fused = body["dtype"] == "float32" and cpu_kernels.available()
+    assert body["kv_cache_dtype"] == ("float16" if fused else body["dtype"])
 
 
 def test_forced_masks_equal_the_engine_alone(client, model, tiny, tiny_bank):

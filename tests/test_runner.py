@@ -305,6 +305,30 @@ def test_fused_blocks_equal_eager_ops(tiny_model_dir, tmp_path, fmt, heads):
                                            atol=1e-5, rtol=1e-5)
 
 
+def test_float16_kv_cache_fused_equals_eager_and_stays_close_to_float32(tiny):
+    """A float16 cache: both cached paths read the same rounded K/V (the fused blocks convert with
+    F16C, the eager path with torch), so they agree as closely as with float32; against the float32
+    cache the logits move by the rounding only. ``auto`` picks it where the fused blocks run."""
+    from server import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("igserve's CPU kernels are not available here")
+    fused = BlockRunner(tiny.model, max_batch=4, max_len=128, fused=True, kv_dtype="auto")
+    eager = BlockRunner(tiny.model, max_batch=4, max_len=128, fused=False, kv_dtype=torch.float16)
+    exact = BlockRunner(tiny.model, max_batch=4, max_len=128, fused=True)
+    assert fused.cache.dtype == torch.float16 and fused.cache.k[0].element_size() == 2
+    assert BlockRunner(tiny.model, max_batch=1, max_len=8, fused=False, kv_dtype="auto").cache.dtype == torch.float32
+    all_masks = list(masks_for(8).values())
+    masks = torch.stack([all_masks[4], torch.ones(8, dtype=torch.bool), all_masks[2], all_masks[0]])
+    prompts = random_prompts(4, [3, 31, 12, 20], seed=7)
+    slots = [2, 0, 3, 1]
+    half = _trace_chunked(fused, prompts, masks, slots)
+    torch.testing.assert_close(half, _trace_chunked(eager, prompts, masks, slots), atol=2e-4, rtol=1e-4)
+    full = _trace_chunked(exact, prompts, masks, slots)
+    assert 0 < (half - full).abs().max() < 0.05 * full.abs().max()
+    assert torch.equal(half.argmax(-1), full.argmax(-1))
+
+
 def test_fused_blocks_need_float32_cpu(tiny):
     bf16 = copy.deepcopy(tiny.model).to(torch.bfloat16)
     assert BlockRunner(bf16, max_batch=1, max_len=32).fused is None

@@ -64,6 +64,17 @@ float exp1(float x) {
   return v[0];
 }
 
+// Eight cached K/V values as float32, and back: the cache holds float32 or float16 (F16C,
+// round to nearest even).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
 // y = x W^T (+ b); W as the formats store it: [qs, dm] (Q4_1; q8: int8-rounded activations), [q, scales]
 // (int8) or [weight].
 at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at::Tensor>& bias, bool q8) {
@@ -137,43 +148,16 @@ void check_h(const at::Tensor& h) {
               "h must be a contiguous float32 CPU tensor [n, T, H]");
 }
 
-// One attention block: x = norm(h); q, k, v = x Wqkv; rotary on q and k; k, v into the cache at
-// (slot, start + t); each token attends over its slot's positions 0 .. start + t; h += o(attn).
-void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& norm_w, double eps, at::TensorList qkv,
-                const std::optional<at::Tensor>& qkv_bias, at::TensorList o, const std::optional<at::Tensor>& o_bias,
-                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& lengths, int64_t num_heads,
-                int64_t num_kv_heads, double scale, bool q8_qkv, bool q8_o) {
-  check_h(h);
-  const int64_t T = h.size(1);
-  const Tokens tok = kept_tokens(keep, lengths, h.size(0), T);
-  const int64_t M = tok.row.size();
-  if (M == 0) return;
-  const int64_t hq = num_heads, hk = num_kv_heads, D = k_cache.size(3), L = k_cache.size(2);
-  TORCH_CHECK(hq % hk == 0 && D % 8 == 0 && k_cache.size(1) == hk, "head layout mismatch");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat,
-              "K/V caches must be contiguous float32 [slots, kv_heads, len, head_dim]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "cos/sin must be contiguous [positions, head_dim]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && slots.is_contiguous() &&
-                  starts.is_contiguous() && slots.numel() == h.size(0) && starts.numel() == h.size(0),
-              "slots and starts: one int64 per row");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* start = starts.data_ptr<int64_t>();
-  std::vector<int64_t> pos(M);
-  for (int64_t m = 0; m < M; ++m) {
-    pos[m] = start[tok.row[m]] + tok.t[m];
-    TORCH_CHECK(pos[m] < L && pos[m] < cos.size(0), "position beyond the cache");
-    TORCH_CHECK(slot[tok.row[m]] >= 0 && slot[tok.row[m]] < k_cache.size(0), "slot out of range");
-  }
-
-  at::Tensor y = linear(rms_norm(h, tok, norm_w, eps), qkv, qkv_bias, q8_qkv);  // [M, (hq + 2 hk) D]
-  const int64_t W = (hq + 2 * hk) * D, half = D / 2;
-  TORCH_CHECK(y.size(1) == W, "qkv projection has the wrong width");
+// Rotary on q and k of y [M, (hq + 2 hk) D] at each token's position, k and v into the cache at
+// (slot, position), then each token's heads attend over its slot's positions 0 .. position:
+// attn [M, hq D]. T: the cache's element type (float or at::Half).
+template <typename T>
+void attend(const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, T* kc, T* vc, const Tokens& tok,
+            const std::vector<int64_t>& pos, const int64_t* slot, int64_t hq, int64_t hk, int64_t D, int64_t L,
+            float fscale, const at::Tensor& attn) {
+  const int64_t M = tok.row.size(), W = (hq + 2 * hk) * D, half = D / 2;
   float* yp = y.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   std::vector<float> tmp(D);
   for (int64_t m = 0; m < M; ++m) {
     const float *c = cp + pos[m] * D, *s = sp + pos[m] * D;
@@ -185,22 +169,22 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
     }
     for (int64_t kh = 0; kh < hk; ++kh) {
       const int64_t at = ((slot[tok.row[m]] * hk + kh) * L + pos[m]) * D;
-      std::copy_n(yp + m * W + (hq + kh) * D, D, kc + at);
-      std::copy_n(yp + m * W + (hq + hk + kh) * D, D, vc + at);
+      for (int64_t i = 0; i < D; i += 8) {
+        store8(kc + at + i, _mm256_loadu_ps(yp + m * W + (hq + kh) * D + i));
+        store8(vc + at + i, _mm256_loadu_ps(yp + m * W + (hq + hk + kh) * D + i));
+      }
     }
   }
 
-  at::Tensor attn = at::empty({M, hq * D}, h.options());
   float* ap = attn.data_ptr<float>();
   const int64_t group = hq / hk;
-  const float fscale = static_cast<float>(scale);
   at::parallel_for(0, M * hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t m = task / hq, head = task % hq, n = pos[m] + 1;
       const float* q = yp + m * W + head * D;
       const int64_t base = (slot[tok.row[m]] * hk + head / group) * L * D;
-      const float *kb = kc + base, *vb = vc + base;
+      const T *kb = kc + base, *vb = vc + base;
       p.resize(n);
       float best = -INFINITY;
       int64_t j = 0;
@@ -213,7 +197,7 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
         for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
         for (int64_t i = 0; i < D; i += 8) {
           const __m256 qv = _mm256_loadu_ps(q + i);
-          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (j + u) * D + i), acc[u]);
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(kb + (j + u) * D + i), acc[u]);
         }
         const __m256 sc = _mm256_mul_ps(hsum8(acc), vscale);
         _mm256_storeu_ps(p.data() + j, sc);
@@ -222,7 +206,7 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
       best = std::max(best, hmax(best8));
       for (; j < n; ++j) {
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kb + j * D + i), acc);
+        for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kb + j * D + i), acc);
         p[j] = hsum(acc) * fscale;
         best = std::max(best, p[j]);
       }
@@ -243,17 +227,60 @@ void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& n
         for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
         for (int64_t jj = 0; jj < n; ++jj) {
           const __m256 pj = _mm256_set1_ps(p[jj]);
-          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vb + jj * D + i + 8 * u), acc[u]);
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(pj, load8(vb + jj * D + i + 8 * u), acc[u]);
         }
         for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, _mm256_mul_ps(acc[u], inv));
       }
       for (; i < D; i += 8) {
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t jj = 0; jj < n; ++jj) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), _mm256_loadu_ps(vb + jj * D + i), acc);
+        for (int64_t jj = 0; jj < n; ++jj) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), load8(vb + jj * D + i), acc);
         _mm256_storeu_ps(out + i, _mm256_mul_ps(acc, inv));
       }
     }
   });
+}
+
+// One attention block: x = norm(h); q, k, v = x Wqkv; rotary on q and k; k, v into the cache at
+// (slot, start + t); each token attends over its slot's positions 0 .. start + t; h += o(attn).
+void attn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& norm_w, double eps, at::TensorList qkv,
+                const std::optional<at::Tensor>& qkv_bias, at::TensorList o, const std::optional<at::Tensor>& o_bias,
+                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& lengths, int64_t num_heads,
+                int64_t num_kv_heads, double scale, bool q8_qkv, bool q8_o) {
+  check_h(h);
+  const int64_t T = h.size(1);
+  const Tokens tok = kept_tokens(keep, lengths, h.size(0), T);
+  const int64_t M = tok.row.size();
+  if (M == 0) return;
+  const int64_t hq = num_heads, hk = num_kv_heads, D = k_cache.size(3), L = k_cache.size(2);
+  TORCH_CHECK(hq % hk == 0 && D % 8 == 0 && k_cache.size(1) == hk, "head layout mismatch");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "K/V caches must be contiguous float32 or float16 [slots, kv_heads, len, head_dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "cos/sin must be contiguous [positions, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  starts.is_contiguous() && slots.numel() == h.size(0) && starts.numel() == h.size(0),
+              "slots and starts: one int64 per row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  std::vector<int64_t> pos(M);
+  for (int64_t m = 0; m < M; ++m) {
+    pos[m] = start[tok.row[m]] + tok.t[m];
+    TORCH_CHECK(pos[m] < L && pos[m] < cos.size(0), "position beyond the cache");
+    TORCH_CHECK(slot[tok.row[m]] >= 0 && slot[tok.row[m]] < k_cache.size(0), "slot out of range");
+  }
+
+  at::Tensor y = linear(rms_norm(h, tok, norm_w, eps), qkv, qkv_bias, q8_qkv);  // [M, (hq + 2 hk) D]
+  TORCH_CHECK(y.size(1) == (hq + 2 * hk) * D, "qkv projection has the wrong width");
+  at::Tensor attn = at::empty({M, hq * D}, h.options());
+  if (k_cache.scalar_type() == at::kHalf)
+    attend(y, cos, sin, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), tok, pos, slot, hq, hk, D, L,
+           static_cast<float>(scale), attn);
+  else
+    attend(y, cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tok, pos, slot, hq, hk, D, L,
+           static_cast<float>(scale), attn);
   residual_add(h, tok, linear(attn, o, o_bias, q8_o));
 }
 
