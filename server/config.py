@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from server import models, weights as wf
 
 DEFAULT_BANK = "masks/banks/smollm2-135m-instruct-routed.json"
-KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", "float32", "float16")  # what the fused CPU blocks read (bf16 activations: auto)
 ROUTERS = ("learned", "centroid")  # router.router.METHODS (not imported here: that loads torch)
 
 

@@ -135,6 +135,8 @@ class BlockRunner:
             raise ValueError("the fused CPU blocks need float32 on a CPU with igserve's kernels and SiLU FFNs")
         if kv_dtype == "auto":
             kv_dtype = torch.float16 if self.fused is not None else None
+        if self.fused is not None and kv_dtype not in (None, torch.float32, torch.float16):
+            raise ValueError(f"the fused CPU blocks read a float32 or float16 KV cache, not {kv_dtype}")
         self.cache = KVCache(self.num_layers, max_batch, self.num_kv_heads, self.max_len, self.head_dim,
                              kv_dtype or self.dtype, self.device)
 

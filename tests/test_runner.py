@@ -318,6 +318,8 @@ def test_float16_kv_cache_fused_equals_eager_and_stays_close_to_float32(tiny):
     exact = BlockRunner(tiny.model, max_batch=4, max_len=128, fused=True)
     assert fused.cache.dtype == torch.float16 and fused.cache.k[0].element_size() == 2
     assert BlockRunner(tiny.model, max_batch=1, max_len=8, fused=False, kv_dtype="auto").cache.dtype == torch.float32
+    with pytest.raises(ValueError, match="float16 KV cache"):
+        BlockRunner(tiny.model, max_batch=1, max_len=8, fused=True, kv_dtype=torch.bfloat16)
     all_masks = list(masks_for(8).values())
     masks = torch.stack([all_masks[4], torch.ones(8, dtype=torch.bool), all_masks[2], all_masks[0]])
     prompts = random_prompts(4, [3, 31, 12, 20], seed=7)
