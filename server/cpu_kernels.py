@@ -100,7 +100,8 @@ def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = F
               wide: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [R, K] float32 @ W^T for Q4_1 W in the packed layout -> [R, N] float32; ``q8``: x2
     rounded to int8 per group of 32 first (``round_q8``); ``wide``: W in bfloat16 [N, K], which
-    calls of ``wide_rows()`` rows and more multiply in bfloat16 instead."""
+    calls of ``wide_rows()`` rows and more multiply in bfloat16 instead (one row too, in igserve's
+    bf16 kernel, where ``row_bf16()``)."""
     return torch.ops.igserve.q4_linear(x2, qs, dm, q8, wide)
 
 
@@ -108,6 +109,13 @@ def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = F
 def wide_rows() -> int:
     """Rows from which an int4bf16 linear multiplies in bfloat16 (``WIDE_ROWS``, weight_only.cpp)."""
     return torch.ops.igserve.wide_rows()
+
+
+@functools.cache
+def row_bf16() -> bool:
+    """Whether one row of an int4bf16 linear runs bfloat16 dot products (AVX-512 BF16, and the
+    layer's groups come in pairs): x rounded to bf16, as its many-row calls round it."""
+    return torch.ops.igserve.row_bf16()
 
 
 def round_q8(x2: torch.Tensor) -> torch.Tensor:
