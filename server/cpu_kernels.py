@@ -6,7 +6,8 @@ row, so on a CPU without native bf16 arithmetic each linear paid two casts and a
 nearly its row count times one row. These kernels expand each weight group once per call and
 use it for every row, in float32: the result is the Q4_1 dequantisation to float32 rounding.
 With ``q8`` (format int4q8) the activations are rounded to int8 first and one row runs integer
-dot products, as llama.cpp does.
+dot products, as llama.cpp does. int4bf16 on a CPU with AVX-512 BF16 runs one row in bf16 dot
+products (``row_bf16``), chosen at run time: the build itself needs AVX2 only.
 Built on first use with torch's extension builder (cached under ``$IGSERVE_CACHE/kernels``;
 the time is logged); where the CPU lacks the instructions, no compiler is found or the
 build fails, ``available()`` is False and the formats use torch's kernels.
@@ -113,8 +114,9 @@ def wide_rows() -> int:
 
 @functools.cache
 def row_bf16() -> bool:
-    """Whether one row of an int4bf16 linear runs bfloat16 dot products (AVX-512 BF16, and the
-    layer's groups come in pairs): x rounded to bf16, as its many-row calls round it."""
+    """Whether this CPU runs one row of an int4bf16 linear in bfloat16 dot products (AVX-512 BF16;
+    for a layer whose groups come in pairs, in_features % 64 == 0): x rounded to bf16, as its
+    many-row calls round it."""
     return torch.ops.igserve.row_bf16()
 
 

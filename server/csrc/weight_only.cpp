@@ -12,6 +12,10 @@
 // products (maddubs: 32 multiply-adds per instruction, about 1.6x faster than expanding Q4_1 to
 // float32); more rows run the float32 kernel on the rounded activations, which computes the same
 // product to float32 rounding, so a row's result does not depend on the rows batched with it.
+//
+// int4bf16 (a linear that carries a bf16 copy, `wide`): from WIDE_ROWS rows oneDNN's bf16 matmul;
+// one row, on a CPU with AVX-512 BF16 (checked at run time), bf16 dot products on the Q4_1 groups
+// (tile_q4_row_bf16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -159,8 +163,8 @@ inline void tile_q4_row(const Q4& w, const float* __restrict x, int64_t n0, floa
 
 // One row in bfloat16 dot products (int4bf16 on a CPU with AVX-512 BF16): x rounded to bf16 once
 // per call, the nibbles turned into bf16 by a table lookup (0..15 are exact), two groups per
-// 512-bit vdpbf16ps pair. Expanding Q4_1 to float32 bounds the float32 row (tile_q4_row); this
-// does a fourth of its instructions per weight. The product is that of the bf16-rounded x, as
+// 512-bit vdpbf16ps pair. Converting nibbles to float32 bounds the float32 row (tile_q4_row);
+// here 64 weights take one widening load, a mask, a shift, two lookups and two dot products. The product is that of the bf16-rounded x, as
 // int4bf16's oneDNN path computes it from WIDE_ROWS rows.
 struct Bf16Row {
   std::vector<uint16_t> lo, hi;  // per pair of groups: 32 bf16 of x in the low / high nibbles' order
