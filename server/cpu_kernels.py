@@ -6,8 +6,8 @@ row, so on a CPU without native bf16 arithmetic each linear paid two casts and a
 nearly its row count times one row. These kernels expand each weight group once per call and
 use it for every row, in float32: the result is the Q4_1 dequantisation to float32 rounding.
 With ``q8`` (format int4q8) the activations are rounded to int8 first and one row runs integer
-dot products, as llama.cpp does. int4bf16 on a CPU with AVX-512 BF16 runs one row in bf16 dot
-products (``row_bf16``), chosen at run time: the build itself needs AVX2 only.
+dot products, as llama.cpp does. int4bf16 on a CPU with AVX-512 BF16 runs up to 4 rows in bf16
+dot products (``row_bf16``), chosen at run time: the build itself needs AVX2 only.
 Built on first use with torch's extension builder (cached under ``$IGSERVE_CACHE/kernels``;
 the time is logged); where the CPU lacks the instructions, no compiler is found or the
 build fails, ``available()`` is False and the formats use torch's kernels.
@@ -101,8 +101,8 @@ def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = F
               wide: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [R, K] float32 @ W^T for Q4_1 W in the packed layout -> [R, N] float32; ``q8``: x2
     rounded to int8 per group of 32 first (``round_q8``); ``wide``: W in bfloat16 [N, K], which
-    calls of ``wide_rows()`` rows and more multiply in bfloat16 instead (one row too, in igserve's
-    bf16 kernel, where ``row_bf16()``)."""
+    calls of ``wide_rows()`` rows and more multiply in bfloat16 instead (up to 4 rows too, in
+    igserve's bf16 kernel, where ``row_bf16()``)."""
     return torch.ops.igserve.q4_linear(x2, qs, dm, q8, wide)
 
 
@@ -114,9 +114,9 @@ def wide_rows() -> int:
 
 @functools.cache
 def row_bf16() -> bool:
-    """Whether this CPU runs one row of an int4bf16 linear in bfloat16 dot products (AVX-512 BF16;
-    for a layer whose groups come in pairs, in_features % 64 == 0): x rounded to bf16, as its
-    many-row calls round it."""
+    """Whether this CPU runs calls of up to 4 rows of an int4bf16 linear in bfloat16 dot products
+    (AVX-512 BF16; for a layer whose groups come in pairs, in_features % 64 == 0): x rounded to
+    bf16, as its many-row calls round it."""
     return torch.ops.igserve.row_bf16()
 
 

@@ -10,9 +10,9 @@
   down_proj's, whose SiLU·up outliers lose the most), as llama.cpp pairs Q4_1 with Q8_1: a single
   row runs integer dot products. igserve's kernels only; with torch's it is ``int4``.
 * ``int4bf16``: int4 whose linears (and lm_head) also carry a bfloat16 copy: calls of
-  ``wide_rows()`` rows and more run oneDNN's bf16 matmuls on it; on a CPU with AVX-512 BF16 one
-  row of an int4 linear multiplies the Q4_1 groups in bf16 dot products (x rounded to bf16, the
-  weights exact); the rows between run the float32 kernels.
+  ``wide_rows()`` rows and more run oneDNN's bf16 matmuls on it; on a CPU with AVX-512 BF16 calls
+  of up to 4 rows of an int4 linear multiply the Q4_1 groups in bf16 dot products (x rounded to
+  bf16, the weights exact); the rows between run the float32 kernels.
 * ``int8``: symmetric per-output-channel int8 (``_weight_int8pack_mm``), for 16/32-bit models.
 * The tied embedding / lm_head (Q8_0 in the GGUF) is an int8 per-channel lm_head in both
   quantised formats; the embedding lookup stays a table in the activation dtype.
@@ -122,7 +122,7 @@ class _WeightOnlyLinear(torch.nn.Module):
     in_features: int
     out_features: int
     bias: torch.Tensor | None
-    bf16_row = False  # whether int4bf16's kernel runs one row in bf16 dot products (cpu_kernels.row_bf16)
+    few_rows_bf16 = False  # int4bf16: its kernel runs up to 4 rows in bf16 (cpu_kernels.row_bf16)
 
     @property
     def kernel_dtype(self) -> torch.dtype:
@@ -148,15 +148,14 @@ class _WeightOnlyLinear(torch.nn.Module):
         return None if packed is None else packed.tensor
 
     def _wide_for(self, x2: torch.Tensor) -> torch.Tensor | None:
-        """``wide`` for a call that multiplies in bf16 (``cpu_kernels.wide_rows()`` rows or more;
-        one row of int4 where ``cpu_kernels.row_bf16()``): the kernel reads it as int4bf16's mark."""
+        """``wide`` for a call that multiplies in bf16: ``cpu_kernels.wide_rows()`` rows or more,
+        and any call of a linear whose kernel reads it as int4bf16's mark for few rows
+        (``few_rows_bf16``), as the fused blocks pass it."""
         from server import cpu_kernels
 
-        rows = x2.shape[0]
-        if getattr(self, "_wide", None) is None or (
-                rows < cpu_kernels.wide_rows() and not (rows == 1 and self.bf16_row and cpu_kernels.row_bf16())):
+        if getattr(self, "_wide", None) is None:
             return None
-        return self.wide
+        return self.wide if self.few_rows_bf16 or x2.shape[0] >= cpu_kernels.wide_rows() else None
 
 
 class Int4Linear(_WeightOnlyLinear):
@@ -165,7 +164,7 @@ class Int4Linear(_WeightOnlyLinear):
     (native only): the activations are rounded to int8 per group of 32 first, as llama.cpp does,
     so a single row runs integer dot products."""
 
-    bf16_row = True
+    few_rows_bf16 = True
 
     def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu",
                  native: bool = False, q8: bool = False, wide: bool = False):

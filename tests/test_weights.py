@@ -162,20 +162,23 @@ def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
 
 
 @native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("k", [96, 128, 576])
-def test_one_int4bf16_row_multiplies_in_bfloat16_where_the_cpu_does(k):
-    """One row of an int4bf16 linear: on AVX-512 BF16 with groups in pairs (k = 128, 576), the
+def test_few_int4bf16_rows_multiply_in_bfloat16_where_the_cpu_does(k, rows):
+    """Up to 4 rows of an int4bf16 linear: on AVX-512 BF16 with groups in pairs (k = 128, 576), the
     product of the bf16-rounded x with the exact Q4_1 weights to float32 rounding, which is not the
-    float32 kernel's; elsewhere (an odd group count, k = 96, or no bf16 dot products) those bits."""
+    float32 kernel's; elsewhere (5 rows, an odd group count, k = 96, or no bf16 dot products) those bits."""
     w = _weight(n=80, k=k, seed=k)
     g = weights.quantize_q4_1(w)
     exact = weights.Int4Linear(g, None, torch.float32, native=True)
     wide = weights.Int4Linear(g, None, torch.float32, native=True, wide=True)
-    x = torch.randn(1, k) * 3
-    if cpu_kernels.row_bf16() and k % 64 == 0:
+    x = torch.randn(rows, k) * 3
+    if cpu_kernels.row_bf16() and k % 64 == 0 and rows <= 4:
         ref = (x.bfloat16().double() @ exact.dequantized().double().T).float()
         torch.testing.assert_close(wide(x), ref, rtol=1e-5, atol=1e-5)
         assert not torch.equal(wide(x), exact(x))
+        for r in range(rows):  # a row's result does not depend on the rows beside it
+            torch.testing.assert_close(wide(x[r:r + 1]), wide(x)[r:r + 1], rtol=1e-6, atol=1e-6)
         fused = weights.fuse([wide, type(wide).cat([wide])])
         assert torch.equal(fused(x), torch.cat([wide(x), wide(x)], -1))
     else:

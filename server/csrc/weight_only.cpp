@@ -14,8 +14,8 @@
 // product to float32 rounding, so a row's result does not depend on the rows batched with it.
 //
 // int4bf16 (a linear that carries a bf16 copy, `wide`): from WIDE_ROWS rows oneDNN's bf16 matmul;
-// one row, on a CPU with AVX-512 BF16 (checked at run time), bf16 dot products on the Q4_1 groups
-// (tile_q4_row_bf16).
+// up to EXPAND_ROWS rows, on a CPU with AVX-512 BF16 (checked at run time), bf16 dot products on
+// the Q4_1 groups (tile_q4_row_bf16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -161,8 +161,8 @@ inline void tile_q4_row(const Q4& w, const float* __restrict x, int64_t n0, floa
   for (int c = 0; c < NC; ++c) y[n0 + c] = hsum(acc[c]) + min_term(ch[c].dm, w.xsum, w.G);
 }
 
-// One row in bfloat16 dot products (int4bf16 on a CPU with AVX-512 BF16): x rounded to bf16 once
-// per call, the nibbles turned into bf16 by a table lookup (0..15 are exact), two groups per
+// Few rows in bfloat16 dot products (int4bf16 on a CPU with AVX-512 BF16): each row of x rounded to
+// bf16 once per call, the nibbles turned into bf16 by a table lookup (0..15 are exact), two groups per
 // 512-bit vdpbf16ps pair. Converting nibbles to float32 bounds the float32 row (tile_q4_row);
 // here 64 weights take one widening load, a mask, a shift, two lookups and two dot products. The product is that of the bf16-rounded x, as
 // int4bf16's oneDNN path computes it from WIDE_ROWS rows.
@@ -199,33 +199,41 @@ IGSERVE_BF16 Bf16Row bf16_row(const float* x, int64_t K) {
   return r;
 }
 
-template <int NC>
-IGSERVE_BF16 void tile_q4_row_bf16(const Q4& w, const Bf16Row& x, int64_t n0, float* __restrict y) {
+// RB rows (bf16_row each) against NC Q4_1 channels: each weight pair is looked up once for all rows.
+template <int NC, int RB>
+IGSERVE_BF16 void tile_q4_row_bf16(const Q4& w, const Bf16Row* x, int64_t n0, float* __restrict y, int64_t N) {
   Q4::Channel ch[NC];
   for (int c = 0; c < NC; ++c) ch[c] = w.channel(n0 + c);
-  __m512 acc[NC];
-  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+  __m512 acc[NC][RB];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RB; ++r) acc[c][r] = _mm512_setzero_ps();
   // bf16 of 0..15, indexed by a nibble
   const __m512i tab = _mm512_setr_epi32(0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0, 0x41104100, 0x41304120,
                                         0x41504140, 0x41704160, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i low = _mm512_set1_epi16(15);
   const __m512i dsel = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
   for (int64_t p = 0; p < w.G / 2; ++p) {
-    const __m512bh xl = (__m512bh)_mm512_loadu_si512(x.lo.data() + 32 * p);
-    const __m512bh xh = (__m512bh)_mm512_loadu_si512(x.hi.data() + 32 * p);
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(ch[c].q + p * 32 + PF), _MM_HINT_T0);
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch[c].q + p * 32)));
       const __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), tab);
       const __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
-      const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wl, xl), wh, xh);
       // [d_g, m_g, d_g+1, m_g+1] -> d_g in lanes 0..7 (group g's sums), d_g+1 in 8..15
       const __m128 f = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ch[c].dm + 2 * p)));
-      acc[c] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(f)), acc[c]);
+      const __m512 d = _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(f));
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh xl = (__m512bh)_mm512_loadu_si512(x[r].lo.data() + 32 * p);
+        const __m512bh xh = (__m512bh)_mm512_loadu_si512(x[r].hi.data() + 32 * p);
+        const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wl, xl), wh, xh);
+        acc[c][r] = _mm512_fmadd_ps(dot, d, acc[c][r]);
+      }
     }
   }
-  for (int c = 0; c < NC; ++c) y[n0 + c] = _mm512_reduce_add_ps(acc[c]) + min_term(ch[c].dm, x.xsum.data(), w.G);
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RB; ++r)
+      y[r * N + n0 + c] = _mm512_reduce_add_ps(acc[c][r]) + min_term(ch[c].dm, x[r].xsum.data(), w.G);
 }
 
 bool has_bf16_dot() {
@@ -475,7 +483,17 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   float* yp = y.data_ptr<float>();
   if (!q8 && R == 1 && wide && wide->defined() && w.G % 2 == 0 && has_bf16_dot()) {
     const Bf16Row xb = bf16_row(x.data_ptr<float>(), K);
-    one_row(N, [&](auto nc, int64_t n) { tile_q4_row_bf16<decltype(nc)::value>(w, xb, n, yp); });
+    one_row(N, [&](auto nc, int64_t n) { tile_q4_row_bf16<decltype(nc)::value, 1>(w, &xb, n, yp, N); });
+  } else if (!q8 && R <= EXPAND_ROWS && wide && wide->defined() && w.G % 2 == 0 && has_bf16_dot()) {
+    std::vector<Bf16Row> xb;
+    for (int64_t r = 0; r < R; ++r) xb.push_back(bf16_row(x.data_ptr<float>() + r * K, K));
+    at::parallel_for(0, N / 4, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin * 4; n < end * 4; n += 4) {
+        if (R == 2) tile_q4_row_bf16<4, 2>(w, xb.data(), n, yp, N);
+        else if (R == 3) tile_q4_row_bf16<4, 3>(w, xb.data(), n, yp, N);
+        else tile_q4_row_bf16<4, 4>(w, xb.data(), n, yp, N);
+      }
+    });
   } else if (!q8 && R == 1) {
     const float* xp = x.data_ptr<float>();
     std::vector<float> xsum(K / GROUP);
