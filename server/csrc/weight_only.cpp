@@ -484,7 +484,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   if (!q8 && R == 1 && wide && wide->defined() && w.G % 2 == 0 && has_bf16_dot()) {
     const Bf16Row xb = bf16_row(x.data_ptr<float>(), K);
     one_row(N, [&](auto nc, int64_t n) { tile_q4_row_bf16<decltype(nc)::value, 1>(w, &xb, n, yp, N); });
-  } else if (!q8 && R <= EXPAND_ROWS && wide && wide->defined() && w.G % 2 == 0 && has_bf16_dot()) {
+  } else if (!q8 && R <= EXPAND_ROWS && N % 4 == 0 && wide && wide->defined() && w.G % 2 == 0 && has_bf16_dot()) {
     std::vector<Bf16Row> xb;
     for (int64_t r = 0; r < R; ++r) xb.push_back(bf16_row(x.data_ptr<float>() + r * K, K));
     at::parallel_for(0, N / 4, 4, [&](int64_t begin, int64_t end) {
