@@ -164,8 +164,8 @@ inline void tile_q4_row(const Q4& w, const float* __restrict x, int64_t n0, floa
 // Few rows in bfloat16 dot products (int4bf16 on a CPU with AVX-512 BF16): each row of x rounded to
 // bf16 once per call, the nibbles turned into bf16 by a table lookup (0..15 are exact), two groups per
 // 512-bit vdpbf16ps pair. Converting nibbles to float32 bounds the float32 row (tile_q4_row);
-// here 64 weights take one widening load, a mask, a shift, two lookups and two dot products. The product is that of the bf16-rounded x, as
-// int4bf16's oneDNN path computes it from WIDE_ROWS rows.
+// here 64 weights take one widening load, a mask, a shift, two lookups and two dot products.
+// The product is that of the bf16-rounded x, as int4bf16's oneDNN path computes it from WIDE_ROWS rows.
 struct Bf16Row {
   std::vector<uint16_t> lo, hi;  // per pair of groups: 32 bf16 of x in the low / high nibbles' order
   std::vector<float> xsum;       // per group: the sum of the rounded x
@@ -176,14 +176,12 @@ struct Bf16Row {
 IGSERVE_BF16 Bf16Row bf16_row(const float* x, int64_t K) {
   const int64_t G = K / GROUP;
   Bf16Row r{std::vector<uint16_t>(K / 2), std::vector<uint16_t>(K / 2), std::vector<float>(G)};
-  // word i of a pair's low (high) vector: byte i % 16 of group i / 16 (see Q4), low (high) nibble
-  alignas(64) uint16_t lo_idx[32], hi_idx[32];
-  for (int i = 0; i < 32; ++i) {
-    const int b = i % 16, base = 32 * (i / 16), h = b / 8, j = b % 8;
-    lo_idx[i] = static_cast<uint16_t>(base + 16 * h + j);
-    hi_idx[i] = static_cast<uint16_t>(base + 16 * h + 8 + j);
-  }
-  const __m512i li = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  // word i of a pair's low (high) vector: byte i % 16 of group i / 16 (see Q4), low (high) nibble,
+  // as an index into the pair's 64 elements: 0..7, 16..23 of each group (8..15, 24..31 for high)
+  const __m512i li = _mm512_setr_epi32(0x00010000, 0x00030002, 0x00050004, 0x00070006, 0x00110010, 0x00130012,
+                                       0x00150014, 0x00170016, 0x00210020, 0x00230022, 0x00250024, 0x00270026,
+                                       0x00310030, 0x00330032, 0x00350034, 0x00370036);
+  const __m512i hi = _mm512_add_epi16(li, _mm512_set1_epi16(8));
   for (int64_t p = 0; p < G / 2; ++p) {
     __m512i nat[2];
     for (int k = 0; k < 2; ++k) {
@@ -481,19 +479,22 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const Q4 w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(dm.data_ptr<int32_t>()), K / GROUP};
   const int64_t R = x.size(0);
   float* yp = y.data_ptr<float>();
-  if (!q8 && R == 1 && wide && wide->defined() && w.G % 2 == 0 && has_bf16_dot()) {
-    const Bf16Row xb = bf16_row(x.data_ptr<float>(), K);
-    one_row(N, [&](auto nc, int64_t n) { tile_q4_row_bf16<decltype(nc)::value, 1>(w, &xb, n, yp, N); });
-  } else if (!q8 && R <= EXPAND_ROWS && N % 4 == 0 && wide && wide->defined() && w.G % 2 == 0 && has_bf16_dot()) {
+  // int4bf16's few rows: bf16 dot products where the CPU has them (several rows: whole 4-channel tiles)
+  if (!q8 && R <= EXPAND_ROWS && (R == 1 || N % 4 == 0) && wide && wide->defined() && w.G % 2 == 0 &&
+      has_bf16_dot()) {
     std::vector<Bf16Row> xb;
     for (int64_t r = 0; r < R; ++r) xb.push_back(bf16_row(x.data_ptr<float>() + r * K, K));
-    at::parallel_for(0, N / 4, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin * 4; n < end * 4; n += 4) {
-        if (R == 2) tile_q4_row_bf16<4, 2>(w, xb.data(), n, yp, N);
-        else if (R == 3) tile_q4_row_bf16<4, 3>(w, xb.data(), n, yp, N);
-        else tile_q4_row_bf16<4, 4>(w, xb.data(), n, yp, N);
-      }
-    });
+    if (R == 1) {
+      one_row(N, [&](auto nc, int64_t n) { tile_q4_row_bf16<decltype(nc)::value, 1>(w, xb.data(), n, yp, N); });
+    } else {
+      at::parallel_for(0, N / 4, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin * 4; n < end * 4; n += 4) {
+          if (R == 2) tile_q4_row_bf16<4, 2>(w, xb.data(), n, yp, N);
+          else if (R == 3) tile_q4_row_bf16<4, 3>(w, xb.data(), n, yp, N);
+          else tile_q4_row_bf16<4, 4>(w, xb.data(), n, yp, N);
+        }
+      });
+    }
   } else if (!q8 && R == 1) {
     const float* xp = x.data_ptr<float>();
     std::vector<float> xsum(K / GROUP);
