@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "clusters; per cluster: from that cluster)")
     parser.add_argument("--examples", type=int, default=3, help="example texts stored per cluster")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (1 is faster on a busy machine)")
+    parser.add_argument("--extend", type=Path,
+                        help="bank built from the same data and settings at a smaller sparsity: its removal orders "
+                             "start the greedy searches, so only the extra blocks are searched")
     for f in dataclasses.fields(TrainConfig):
         parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
                             help=f"mask learning (teacher targets, L0, greedy): {f.name} (default {f.default})")
@@ -155,8 +158,10 @@ def run_once(jobs: dict[str, tuple[Path, Callable[[], object]]], desc: str) -> d
 
 
 def build_bank(lm, docs: list[dict], clusters: int, sparsity: float, cfg: TrainConfig, work: Path, seed: int = 0,
-               docs_per_cluster: int = 128, calib_docs: int = 8, examples: int = 3, learner: str = "greedy") -> MaskBank:
-    """Cluster ``docs``, train one mask per cluster and the static baselines; return the bank."""
+               docs_per_cluster: int = 128, calib_docs: int = 8, examples: int = 3, learner: str = "greedy",
+               extend: MaskBank | None = None) -> MaskBank:
+    """Cluster ``docs``, train one mask per cluster and the static baselines; return the bank.
+    ``extend``: a bank of the same clusters whose greedy removal orders seed the searches."""
     from router.encoder import ENCODER_DIM, ENCODER_NAME
 
     b = _Build.start(lm, cfg, work, seed)
@@ -166,13 +171,14 @@ def build_bank(lm, docs: list[dict], clusters: int, sparsity: float, cfg: TrainC
     centroids, labels = kmeans(emb, clusters, seed)
     stats = summarise(labels, texts, clusters, examples)
     b.lap("clustering")
+    start_orders = _orders_to_extend(extend, centroids, b.runner.block_names, learner) if extend else {}
     per_cluster = _cluster_targets(b, docs, labels, clusters, docs_per_cluster)
     b.lap("teacher")
     pool = _pool(per_cluster, stats, calib_docs, seed)
     influence = block_influence(b.runner, pool.calib, cfg.batch_size)
     b.lap("shortgpt")
     keep = budget(b.runner.num_blocks, sparsity)
-    removals = _removal_orders(b, per_cluster, pool, b.runner.num_blocks - keep, learner, calib_docs)
+    removals = _removal_orders(b, per_cluster, pool, b.runner.num_blocks - keep, learner, calib_docs, start_orders)
     b.lap("greedy")
     masks, cluster_info = _cluster_masks(b, per_cluster, removals, stats, learner, sparsity)
     b.lap("cluster_masks")
@@ -298,16 +304,36 @@ def _pool(per_cluster: list[tuple[Targets, str, list[str]]], stats: list[dict], 
     return _Pool(pooled, weights, _key([k for _, k, _ in per_cluster]), calib_idx, pooled.take(calib_idx))
 
 
+def _orders_to_extend(bank: MaskBank, centroids: torch.Tensor, block_names, learner: str) -> dict[str, list[dict]]:
+    """The removal orders a smaller-budget bank stores, as greedy steps, once it is known to hold these clusters."""
+    from masks.pool import removal_orders
+
+    if learner != "greedy" or list(bank.blocks) != list(block_names) or len(bank.centroids) != len(centroids) or \
+            not torch.allclose(torch.tensor(bank.centroids), centroids.float(), atol=1e-4):
+        raise SystemExit("--extend: that bank was not built from these clusters (data, seed, --clusters) "
+                         "with the greedy learner")
+    kl = {s["block"]: s["kl"] for s in bank.training["greedy"]["removal"]}
+    orders = removal_orders(bank)
+    return {("global" if name == "greedy" else name): [{"block": j, "kl": kl.get(bank.blocks[j]) if name == "greedy"
+                                                        else None} for j in order]
+            for name, order in orders.items()}
+
+
 def _removal_orders(b: _Build, per_cluster: list[tuple[Targets, str, list[str]]], pool: _Pool, n_remove: int,
-                    learner: str, calib_docs: int) -> dict[str, list[dict]]:
+                    learner: str, calib_docs: int, start: dict[str, list[dict]] | None = None) -> dict[str, list[dict]]:
     """Greedy removal orders, each computed once: the global baseline by exact greedy, the cluster
-    masks of the greedy learner by lazy greedy (fewer evaluations; never favours the clusters)."""
+    masks of the greedy learner by lazy greedy (fewer evaluations; never favours the clusters).
+    ``start``: steps already known per order, written as its checkpoint where it has none."""
     greedy_sets = {"global": (pool.calib, _key(pool.key, pool.calib_idx.tolist(), b.cfg.dtype), False)}
     if learner == "greedy":
         for c, (targets, key, _) in enumerate(per_cluster):
             gen = torch.Generator().manual_seed(b.seed + c)
             idx = torch.randperm(len(targets), generator=gen)[:calib_docs].sort().values
             greedy_sets[f"c{c}"] = (targets.take(idx), _key(key, idx.tolist(), b.cfg.dtype, "lazy"), True)
+    for name, (_, key, _) in greedy_sets.items():
+        checkpoint = b.work / f"greedy-{key}.json"
+        if start and name in start and not checkpoint.exists():
+            checkpoint.write_text(json.dumps(start[name]))
     jobs = {name: (b.work / f"greedy-{key}.lock",
                    partial(greedy_removal, b.student, data, n_remove, len(data), b.work / f"greedy-{key}.json", lazy))
             for name, (data, key, lazy) in greedy_sets.items()}
@@ -351,7 +377,8 @@ def run(args: argparse.Namespace) -> int:
     lm = models.load(args.model)
     docs = load_documents(args.data)
     bank = build_bank(lm, docs, args.clusters, args.sparsity, cfg, args.work_dir, args.seed,
-                      args.docs_per_cluster, args.calib_docs, args.examples, args.learner)
+                      args.docs_per_cluster, args.calib_docs, args.examples, args.learner,
+                      MaskBank.load(args.extend) if args.extend else None)
     bank.training["data"] = str(args.data)
     bank.training["build_seconds"] = round(time.perf_counter() - start, 1)
     bank.save(args.out)

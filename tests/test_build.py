@@ -154,6 +154,34 @@ def test_build_end_to_end_on_the_tiny_model(tiny, tiny_model_dir, tmp_path):
     assert all(int(l0.mask(m).sum()) == keep for m in l0.mask_ids) and l0.baselines == bank.baselines
 
 
+def test_extending_a_bank_continues_its_removal_orders(tiny_model_dir, tmp_path, monkeypatch):
+    import masks.baselines
+
+    searched = []
+    real_kl = masks.baselines.mask_kl
+    monkeypatch.setattr(masks.baselines, "mask_kl", lambda *a: searched.append(1) or real_kl(*a))
+    data = _write_docs(tmp_path / "docs")
+    args = ["masks", "build", "--model", str(tiny_model_dir), "--clusters", "2", "--data", str(data),
+            "--docs-per-cluster", "4", "--calib-docs", "3", "--steps", "6", "--batch-size", "2", "--seq-len", "24",
+            "--kl-positions", "6", "--top-k", "16"]
+    assert main(args + ["--sparsity", "0.125", "--work-dir", str(tmp_path / "w1"), "--out", str(tmp_path / "s.json")]) == 0
+    searched.clear()
+    assert main(args + ["--sparsity", "0.375", "--work-dir", str(tmp_path / "w2"), "--out", str(tmp_path / "x.json"),
+                        "--extend", str(tmp_path / "s.json")]) == 0
+    extend_searches = len(searched)
+    assert main(args + ["--sparsity", "0.375", "--work-dir", str(tmp_path / "w3"), "--out", str(tmp_path / "f.json")]) == 0
+    assert extend_searches < len(searched) - extend_searches  # the first removal was not searched again
+    small, extended, full = (MaskBank.load(tmp_path / f) for f in ("s.json", "x.json", "f.json"))
+    for s, x in zip(small.clusters, extended.clusters):
+        assert len(x["greedy_removal"]) == 3 and x["greedy_removal"][:1] == s["greedy_removal"]
+    # The global order is exact greedy: continuing its prefix gives the order a search from scratch gives.
+    assert extended.training["greedy"] == full.training["greedy"] and extended.baselines["greedy"] == full.baselines["greedy"]
+    # A bank of other clusters cannot be extended.
+    with pytest.raises(SystemExit, match="--extend"):
+        main(args[:5] + ["1"] + args[6:] + ["--sparsity", "0.375", "--work-dir", str(tmp_path / "w4"),
+                                            "--out", str(tmp_path / "y.json"), "--extend", str(tmp_path / "s.json")])
+
+
 def test_run_once_defers_locked_jobs_and_takes_over_dead_locks(tmp_path):
     import os
     import subprocess
