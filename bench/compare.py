@@ -26,7 +26,7 @@ import httpx
 
 from server.weights import cpu_flags, cpu_model
 from bench.serve import PROMPTS, _free_port, run_clients, start_server, wait_healthy
-from server import models
+from server import cpu_kernels, models
 from server.config import DEFAULT_BANK
 
 LLAMA_FORMATS = {"Q4_1": None, "BF16": "bf16", "F32": "f32"}  # None: the packaged GGUF as shipped
@@ -70,30 +70,55 @@ def gguf_file(fmt: str, root: Path, model: str) -> Path:
     return out
 
 
-def llama_bench(root: Path, files: dict[str, Path], tokens: int) -> dict[str, float]:
-    """Batch-1 decode tokens/s (``tg``) per GGUF from llama-bench, 2 threads."""
+# What a user does when llama-server dies at start-up: on some AMX CPUs its AMX matmul for
+# quantised weights segfaults in the warm-up (llama.cpp issue 20824); --no-repack serves the same
+# GGUF with its AVX-512 kernels instead.
+LLAMA_FALLBACK, LLAMA_BENCH_FALLBACK = ("--no-repack",), ("--repack", "0")
+
+
+def llama_bench(root: Path, files: dict[str, Path], tokens: int, fell_back: set[str] = frozenset()) -> dict[str, float]:
+    """Batch-1 decode tokens/s (``tg``) per GGUF from llama-bench, 2 threads; for the formats whose
+    llama-server needed LLAMA_FALLBACK, also with its llama-bench form (key "<fmt> --no-repack")."""
     exe = root / "build" / "bin" / "llama-bench"
     if not exe.is_file():
         return {}
     out = {}
-    for fmt, path in files.items():
+    cases = [(fmt, path, ()) for fmt, path in files.items()]
+    cases += [(f"{fmt} {' '.join(LLAMA_FALLBACK)}", files[fmt], LLAMA_BENCH_FALLBACK) for fmt in files if fmt in fell_back]
+    for key, path, extra in cases:
         r = subprocess.run([str(exe), "-m", str(path), "-t", "2", "-p", "0", "-n", str(tokens), "-r", "3",
-                            "-o", "json"], capture_output=True, text=True)
+                            "-o", "json", *extra], capture_output=True, text=True)
         if r.returncode == 0:
-            out[fmt] = round(json.loads(r.stdout)[0]["avg_ts"], 2)
+            out[key] = round(json.loads(r.stdout)[0]["avg_ts"], 2)
     return out
 
 
 WARMUP_REQUESTS = 16
 
 
-def start_llama(root: Path, gguf: Path, max_clients: int, ctx_per_slot: int) -> tuple[subprocess.Popen, str]:
+def start_llama(root: Path, gguf: Path, max_clients: int, ctx_per_slot: int,
+                extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [str(root / "build" / "bin" / "llama-server"), "-m", str(gguf), "-t", "2", "--parallel", str(max_clients),
            "--threads-http", "40", "--host", "127.0.0.1", "--port", str(port), "-c", str(max_clients * ctx_per_slot),
-           "--no-webui"]
+           "--no-webui", *extra]
     log = open(root / f"llama-server-{gguf.stem}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
+
+
+def serve_llama(root: Path, gguf: Path, max_clients: int, ctx_per_slot: int) -> tuple[subprocess.Popen, str, tuple]:
+    """A healthy llama-server for ``gguf`` and the extra flags it needed (none, or LLAMA_FALLBACK)."""
+    for extra in ((), LLAMA_FALLBACK):
+        proc, url = start_llama(root, gguf, max_clients, ctx_per_slot, extra)
+        try:
+            wait_healthy(url, proc)
+            return proc, url, extra
+        except RuntimeError as e:
+            _stop(proc)
+            if extra:
+                raise
+            print(f"llama-server {gguf.name}: {e}; again with {' '.join(LLAMA_FALLBACK)}", flush=True)
+    raise AssertionError("unreachable")
 
 
 async def clients_against(url: str, modes: list[str], args, client_counts: list[int], prompts: list[str]) -> list[dict]:
@@ -187,11 +212,11 @@ def run(args) -> int:
     started = time.time()
     for fmt, path in files.items():
         print(f"llama-server {fmt} ({path.name})", flush=True)
-        proc, url = start_llama(root, path, max(client_counts), args.max_model_len)
+        proc, url, extra = serve_llama(root, path, max(client_counts), args.max_model_len)
         try:
-            wait_healthy(url, proc)
             for r in asyncio.run(clients_against(url, ["dense"], args, client_counts, prompts)):
-                runs.append({"server": "llama-server", "format": fmt, **r, "mode": "plain"})
+                runs.append({"server": "llama-server", "format": fmt, **r, "mode": "plain",
+                             "extra_args": " ".join(extra)})
         finally:
             _stop(proc)
     if not args.skip_igserve:
@@ -208,13 +233,15 @@ def run(args) -> int:
     result = {
         "runs": runs,
         "acceptance": acceptance(runs, client_counts),
-        "llama_bench_decode_tok_s": llama_bench(root, files, args.max_tokens),
+        "llama_bench_decode_tok_s": llama_bench(root, files, args.max_tokens,
+                                                {r["format"] for r in runs if r.get("extra_args")}),
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags()},
         "config": {"clients": client_counts, "requests_per_client": args.requests_per_client,
                    "max_tokens": args.max_tokens, "ignore_eos": True, "prompts": str(args.prompts),
                    "warmup": f"{WARMUP_REQUESTS} requests per mode (the last prompts of the file), 4 tokens each",
                    "igserve": {"weights": health.get("weights"), "kernels": health.get("kernels"), "dtype": health.get("dtype"),
-                               "routing": health.get("routing"), "bank": args.bank},
+                               "routing": health.get("routing"), "bank": args.bank,
+                               "int4bf16_wide_rows": cpu_kernels.wide_rows() if cpu_kernels.available() else None},
                    "llama_server": "-t 2 --parallel 16 --threads-http 40 (loopback)",
                    "llama_cpp_source": _source_tree(root).parent.name if formats else None},
         "wall_s": round(time.time() - started, 1),

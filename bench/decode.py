@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from server import models, weights as wf
+from server import cpu_kernels, models, weights as wf
 from server.runner import BlockRunner
 
 PROMPT = (
@@ -128,6 +128,7 @@ def run(args) -> int:
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "auto_weights": wf.auto_format(),
         "kernels": {fmt: wf.kernels(lm.model) for fmt, lm in lms.items()},
+        "int4bf16_wide_rows": cpu_kernels.wide_rows() if cpu_kernels.available() else None,
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

@@ -108,7 +108,7 @@ def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = F
 
 @functools.cache
 def wide_rows() -> int:
-    """Rows from which an int4bf16 linear multiplies in bfloat16 (``WIDE_ROWS``, weight_only.cpp)."""
+    """Rows from which an int4bf16 linear multiplies in bfloat16 (5 with AMX, else 14; weight_only.cpp)."""
     return torch.ops.igserve.wide_rows()
 
 

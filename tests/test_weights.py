@@ -137,8 +137,7 @@ def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
     """int4bf16 (its int4 linears and int8 lm_head): below ``wide_rows()`` rows the float32
     kernel's exact bits, from there torch's bf16 matmul of the bf16-rounded dequantised weight
     (within bf16 rounding of the exact product)."""
-    rows = cpu_kernels.wide_rows() + offset
-    assert rows >= 1
+    rows = max(1, cpu_kernels.wide_rows() + offset)  # -13: one row (14 rows without AMX, 5 with)
     w = _weight(n=80, k=96, seed=rows)
     if kind == "int4":
         g = weights.quantize_q4_1(w)
@@ -167,7 +166,8 @@ def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
 def test_few_int4bf16_rows_multiply_in_bfloat16_where_the_cpu_does(k, rows):
     """Up to 4 rows of an int4bf16 linear: on AVX-512 BF16 with groups in pairs (k = 128, 576), the
     product of the bf16-rounded x with the exact Q4_1 weights to float32 rounding, which is not the
-    float32 kernel's; elsewhere (5 rows, an odd group count, k = 96, or no bf16 dot products) those bits."""
+    float32 kernel's; elsewhere (5 rows, an odd group count, k = 96, or no bf16 dot products) those
+    bits, unless 5 rows already run oneDNN's bf16 matmul (``wide_rows()``, AMX)."""
     w = _weight(n=80, k=k, seed=k)
     g = weights.quantize_q4_1(w)
     exact = weights.Int4Linear(g, None, torch.float32, native=True)
@@ -181,6 +181,8 @@ def test_few_int4bf16_rows_multiply_in_bfloat16_where_the_cpu_does(k, rows):
             torch.testing.assert_close(wide(x[r:r + 1]), wide(x)[r:r + 1], rtol=1e-6, atol=1e-6)
         fused = weights.fuse([wide, type(wide).cat([wide])])
         assert torch.equal(fused(x), torch.cat([wide(x), wide(x)], -1))
+    elif rows >= cpu_kernels.wide_rows():  # AMX: oneDNN's bf16 matmul from 5 rows
+        assert torch.equal(wide(x), F.linear(x.bfloat16(), exact.dequantized().bfloat16()).float())
     else:
         assert torch.equal(wide(x), exact(x))
 

@@ -13,7 +13,7 @@
 // float32); more rows run the float32 kernel on the rounded activations, which computes the same
 // product to float32 rounding, so a row's result does not depend on the rows batched with it.
 //
-// int4bf16 (a linear that carries a bf16 copy, `wide`): from WIDE_ROWS rows oneDNN's bf16 matmul;
+// int4bf16 (a linear that carries a bf16 copy, `wide`): from wide_rows() rows oneDNN's bf16 matmul;
 // up to EXPAND_ROWS rows, on a CPU with AVX-512 BF16 (checked at run time), bf16 dot products on
 // the Q4_1 groups (tile_q4_row_bf16).
 #include <ATen/ATen.h>
@@ -22,6 +22,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -165,7 +167,7 @@ inline void tile_q4_row(const Q4& w, const float* __restrict x, int64_t n0, floa
 // bf16 once per call, the nibbles turned into bf16 by a table lookup (0..15 are exact), two groups per
 // 512-bit vdpbf16ps pair. Converting nibbles to float32 bounds the float32 row (tile_q4_row);
 // here 64 weights take one widening load, a mask, a shift, two lookups and two dot products.
-// The product is that of the bf16-rounded x, as int4bf16's oneDNN path computes it from WIDE_ROWS rows.
+// The product is that of the bf16-rounded x, as int4bf16's oneDNN path computes it from wide_rows() rows.
 struct Bf16Row {
   std::vector<uint16_t> lo, hi;  // per pair of groups: 32 bf16 of x in the low / high nibbles' order
   std::vector<float> xsum;       // per group: the sum of the rounded x
@@ -320,11 +322,21 @@ inline void tile_q8(const Q4& w, const Q8Rows& x, int64_t n0, float* __restrict 
 
 // Tile shapes: channels x rows per pass for several rows, channels per pass for one row.
 constexpr int MULTI_NC = 2, MULTI_RB = 4, SINGLE_NC = 8, ROW_NC = 8;
-// From this many rows a linear that carries a bfloat16 copy of its weight (format int4bf16) runs
-// oneDNN's bf16 matmul (AVX-512 BF16 / AMX dot products) instead of the float32 kernels below: the
-// crossover measured on AVX-512 BF16 lies between 12 and 16 rows (bench/results/kernels*.json).
-constexpr int64_t WIDE_ROWS = 14;
 constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run A/B: README, "Benchmarks")
+// From wide_rows() rows a linear that carries a bfloat16 copy of its weight (format int4bf16) runs
+// oneDNN's bf16 matmul instead of the float32 kernels below. The crossover: on AVX-512 BF16
+// between 12 and 16 rows (bench/results/kernels*.json); with AMX tiles oneDNN reads the bf16
+// weights at memory speed from a few rows on and wins from 5, so nothing is left for the float32
+// kernels between the few-row bf16 path and it (README, "Weight formats").
+// IGSERVE_WIDE_ROWS overrides the choice, to measure it.
+constexpr int64_t WIDE_ROWS = 14, WIDE_ROWS_AMX = EXPAND_ROWS + 1;
+int64_t wide_from() {
+  static const int64_t rows = [] {
+    if (const char* env = std::getenv("IGSERVE_WIDE_ROWS")) return std::max<int64_t>(1, std::atoll(env));
+    return __builtin_cpu_supports("amx-bf16") ? WIDE_ROWS_AMX : WIDE_ROWS;
+  }();
+  return rows;
+}
 
 // One row, channels split across threads in blocks of 4: ROW_NC channels per tile call, then one
 // at a time; tile(std::integral_constant<int, NC>, n) runs NC channels from n.
@@ -454,10 +466,10 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w) {
   return stack[0].toTensor();
 }
 
-// x @ wide^T in bf16 for calls of WIDE_ROWS rows and more on a linear that has a bf16 copy; else none.
+// x @ wide^T in bf16 for calls of wide_from() rows and more on a linear that has a bf16 copy; else none.
 std::optional<at::Tensor> wide_or_none(const at::Tensor& x, const std::optional<at::Tensor>& wide, int64_t N,
                                        int64_t K) {
-  if (!wide || !wide->defined() || x.size(0) < WIDE_ROWS) return std::nullopt;
+  if (!wide || !wide->defined() || x.size(0) < wide_from()) return std::nullopt;
   TORCH_CHECK(wide->scalar_type() == at::kBFloat16 && wide->size(0) == N && wide->size(1) == K,
               "wide must be the bfloat16 weight [N, K]");
   return wide_linear(x.to(at::kBFloat16), *wide).to(at::kFloat);
@@ -538,7 +550,7 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 
 }  // namespace igserve
 
-int64_t wide_rows() { return WIDE_ROWS; }
+int64_t wide_rows() { return wide_from(); }
 bool row_bf16() { return has_bf16_dot(); }
 
 TORCH_LIBRARY(igserve, lib) {

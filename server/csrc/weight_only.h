@@ -4,7 +4,7 @@
 
 namespace igserve {
 // x [R, K] float32 @ W^T for Q4_1 W (qs [N, K/2] nibbles, dm [N, K/32] fp16 d|m) -> [R, N];
-// q8: x rounded to int8 per group of 32 first; wide: the bf16 weight [N, K], used from WIDE_ROWS rows
+// q8: x rounded to int8 per group of 32 first; wide: the bf16 weight [N, K], used from wide_rows() rows
 // (weight_only.cpp)
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8 = false,
                      const std::optional<at::Tensor>& wide = std::nullopt);

@@ -1,0 +1,60 @@
+"""`igserve bench compare`'s handling of a llama-server that dies at start-up, against stand-ins for
+llama.cpp's binaries (the real ones are a benchmark peer, never needed by tests)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+
+from bench import compare
+
+# Dies with SIGSEGV unless started with --no-repack (as llama-server on an AMX CPU with a Q4_1
+# GGUF); otherwise answers /health on --port.
+FAKE_SERVER = """#!{python}
+import http.server, os, signal, sys
+if "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGSEGV)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{{"status":"ok"}}')
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+# Prints llama-bench's JSON; its tokens/s says whether it was asked for --repack 0.
+FAKE_BENCH = """#!{python}
+import json, sys
+print(json.dumps([{{"avg_ts": 100.0 if "--repack" in sys.argv else 250.0}}]))
+"""
+
+
+def _install(root: Path, name: str, text: str) -> None:
+    path = root / "build" / "bin" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.format(python=sys.executable))
+    path.chmod(0o755)
+
+
+def test_a_llama_server_that_crashes_at_start_is_served_again_with_no_repack(tmp_path):
+    _install(tmp_path, "llama-server", FAKE_SERVER)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    proc, url, extra = compare.serve_llama(tmp_path, gguf, 4, 64)
+    try:
+        assert extra == compare.LLAMA_FALLBACK
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+    finally:
+        compare._stop(proc)
+    assert proc.args[-1] == "--no-repack"
+
+
+def test_llama_bench_reports_the_fallback_form_for_formats_that_needed_it(tmp_path):
+    _install(tmp_path, "llama-bench", FAKE_BENCH)
+    files = {"Q4_1": tmp_path / "q.gguf", "BF16": tmp_path / "b.gguf"}
+    out = compare.llama_bench(tmp_path, files, 16, {"Q4_1"})
+    assert out == {"Q4_1": 250.0, "BF16": 250.0, "Q4_1 --no-repack": 100.0}
+    assert compare.llama_bench(tmp_path, files, 16) == {"Q4_1": 250.0, "BF16": 250.0}
