@@ -130,8 +130,9 @@ def test_lm_eval_local_completions_scores_as_the_in_process_hf_model(real_server
     got, want = scores(served), scores(hf)
     assert len(got) == 40 and got.keys() == want.keys()
     print(f"largest log-likelihood difference: {max(abs(a - b) for d in want for a, b in zip(got[d], want[d])):.2e}")
-    for doc in want:  # the server's float16 K/V cache moves a continuation's sum by up to ~5e-3
-        assert got[doc] == pytest.approx(want[doc], abs=1e-2), doc
+    for doc in want:  # the server's float16 K/V cache (its default) moves a continuation's sum: up to
+        # ~5e-3 on an AVX-512 BF16 EPYC, 1.1e-2 on an AMX Xeon (4.8e-5 there with a float32 cache)
+        assert got[doc] == pytest.approx(want[doc], abs=2e-2), doc
 
 
 @pytest.mark.real_model
@@ -154,8 +155,11 @@ def test_lm_eval_local_chat_completions_generates_as_the_engine(real_server, rea
         ids = real.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
         refs.append(Request(ids, torch.ones(2 * real.model.config.num_hidden_layers, dtype=torch.bool),
                             SamplingParams(max_tokens=gen_kwargs["max_gen_toks"], temperature=0, stop=stop)))
-    # one batch (outputs equal each request alone: tests/test_api.py), to spare decode steps
-    LLMEngine(BlockRunner(real.model, max_batch=len(refs), max_len=1024, kv_dtype="auto"),  # as the server's
-              real.tokenizer).generate(refs)
+    # one after another, as lm-eval sent them: float32 matmuls may round differently with other rows
+    # beside them (seen on an AMX CPU), and a greedy near-tie then flips
+    engine = LLMEngine(BlockRunner(real.model, max_batch=len(refs), max_len=1024, kv_dtype="auto"),  # as the server's
+                       real.tokenizer)
+    for r in refs:
+        engine.generate([r])
     assert [s["resps"][0][0] for s in samples] == [r.text for r in refs]
     assert any(s["resps"][0][0].strip() for s in samples)

@@ -3,6 +3,8 @@ their dequantised weights say, and the runner in every format equals HF generate
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,6 +130,14 @@ def test_int8_matches_its_dequantised_weight():
     ref = x.float() @ lin.dequantized().T
     assert (lin(x).float() - ref).norm() / ref.norm() < 0.01
     assert (lin.dequantized() - w).abs().max() <= w.abs().max() / 127  # half a step per channel, twice
+
+
+@native
+def test_int4bf16_switches_to_onednn_at_5_rows_with_amx_else_at_14():
+    """The kernels' own CPU check agrees with the CPU's flags (unless IGSERVE_WIDE_ROWS overrides it)."""
+    if os.environ.get("IGSERVE_WIDE_ROWS"):
+        pytest.skip("IGSERVE_WIDE_ROWS is set")
+    assert cpu_kernels.wide_rows() == (5 if "amx_bf16" in weights.cpu_flags() else 14)
 
 
 @native
