@@ -120,6 +120,26 @@ def row_bf16() -> bool:
     return torch.ops.igserve.row_bf16()
 
 
+@functools.cache
+def q8_tiles() -> bool:
+    """Whether this CPU runs int4q8's one-row calls on VNNI tiles (AVX-512 VNNI; ``pack_q4_tiles``)."""
+    return torch.ops.igserve.q8_tiles()
+
+
+def pack_q4_tiles(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 groups (q [N, K] in 0..15, d and m [N, K/32]) as int4q8's VNNI tiles, uint8 [N/16, K/32, 320]:
+    per 16 channels and group, 256 bytes of nibbles (byte 4c + i of block j: k = 4j + i of channel c
+    low, k + 16 high), then the 16 channels' fp16 d and fp16 m (weight_only.cpp, q8_tile_row)."""
+    n, k = q.shape
+    t, g = n // 16, k // 32
+    q = q.to(torch.uint8).view(t, 16, g, 32)
+    lo = q[..., :16].reshape(t, 16, g, 4, 4).permute(0, 2, 3, 1, 4)  # [t, g, j, c, i]
+    hi = q[..., 16:].reshape(t, 16, g, 4, 4).permute(0, 2, 3, 1, 4)
+    nibbles = (lo | (hi << 4)).reshape(t, g, 256)
+    scales = [v.to(torch.float16).view(t, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8) for v in (d, m)]
+    return torch.cat([nibbles, *scales], -1).contiguous()
+
+
 def round_q8(x2: torch.Tensor) -> torch.Tensor:
     """The reference of the kernels' activation rounding: per row and group of 32, scale d =
     absmax / 127 and x -> d * round(x / d) (ties to even)."""

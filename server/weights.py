@@ -8,7 +8,8 @@
   ggml's Q4_1 rule (m = group min, d = range / 15).
 * ``int4q8``: int4 weights with each linear's input rounded to int8 per group of 32 first (not
   down_proj's, whose SiLU·up outliers lose the most), as llama.cpp pairs Q4_1 with Q8_1: a single
-  row runs integer dot products. igserve's kernels only; with torch's it is ``int4``.
+  row runs integer dot products (on AVX-512 VNNI over 16-channel tiles of the same groups).
+  igserve's kernels only; with torch's it is ``int4``.
 * ``int4bf16``: int4 whose linears (and lm_head) also carry a bfloat16 copy: calls of
   ``wide_rows()`` rows and more run oneDNN's bf16 matmuls on it; on a CPU with AVX-512 BF16 calls
   of up to 4 rows of an int4 linear multiply the Q4_1 groups in bf16 dot products (x rounded to
@@ -185,6 +186,10 @@ class Int4Linear(_WeightOnlyLinear):
             self.register_buffer("qs", cpu_kernels.pack_q4(groups.q))
             self.register_buffer("dm", cpu_kernels.pack_dm(groups.d, groups.m))
             self.register_buffer("bias", None if bias is None else bias.detach().float())
+            # int4q8 on AVX-512 VNNI: the same groups as 16-channel tiles for one-row calls (an
+            # attribute, not a buffer: a one-row step reads them instead of qs and dm, as many bytes)
+            self._tiles = (cpu_kernels.pack_q4_tiles(groups.q, groups.d, groups.m)
+                           if self.q8 and n % 16 == 0 and cpu_kernels.q8_tiles() else None)
             return
         self.register_buffer("packed", _torch_int4_pack(groups.q, device))
         zero = groups.m + 8 * groups.d
@@ -200,7 +205,8 @@ class Int4Linear(_WeightOnlyLinear):
         if self.native:
             from server import cpu_kernels
 
-            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8, self._wide_for(x2))
+            extra = getattr(self, "_tiles", None) if self.q8 else self._wide_for(x2)
+            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8, extra)
         if self.cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
@@ -338,6 +344,8 @@ def _stacked(cls, parts, dims: dict[str, int]):
         out.register_buffer(name, None if bufs[0] is None else torch.cat(bufs, dim))
     out.out_features = sum(p.out_features for p in parts)
     out._wide = None if getattr(parts[0], "_wide", None) is None else True  # its own bf16 copy, made on first use
+    if getattr(parts[0], "_tiles", None) is not None:  # int4q8's VNNI tiles stack along N as the groups do
+        out._tiles = torch.cat([p._tiles for p in parts])
     return out
 
 
@@ -415,7 +423,8 @@ def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.T
     if isinstance(linear, torch.nn.Linear) and linear.weight.dtype == torch.float32:
         return [linear.weight.detach()], None if linear.bias is None else linear.bias.detach()
     if isinstance(linear, Int4Linear) and linear.native:
-        return [linear.qs, linear.dm] + ([] if linear.wide is None else [linear.wide]), linear.bias
+        extra = getattr(linear, "_tiles", None) if linear.q8 else linear.wide
+        return [linear.qs, linear.dm] + ([] if extra is None else [extra]), linear.bias
     if isinstance(linear, Int8Linear) and linear.native:
         return [linear.weight, linear.scales] + ([] if linear.wide is None else [linear.wide]), linear.bias
     return None

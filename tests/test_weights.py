@@ -89,6 +89,30 @@ def test_native_q4_kernel_with_int8_activations(rows, k):
 
 
 @native
+@pytest.mark.parametrize("k", [128, 320])
+def test_int4q8_one_row_on_vnni_tiles_is_the_rounded_product(k):
+    """int4q8's one-row calls on AVX-512 VNNI run 16-channel tiles of the same groups: the product
+    of round_q8(x) with the Q4_1 weights, as the kernels without tiles compute it; a fused linear
+    stacks its parts' tiles."""
+    if not cpu_kernels.q8_tiles():
+        pytest.skip("no AVX-512 VNNI here")
+    g = weights.quantize_q4_1(_weight(n=80, k=k, seed=k))
+    lin = weights.Int4Linear(g, None, torch.float32, native=True, q8=True)
+    assert lin._tiles is not None and lin._tiles.shape == (5, k // 32, 320)
+    assert cost.module_bytes(lin) == cost.module_bytes(weights.Int4Linear(g, None, torch.float32, native=True))
+    x = torch.randn(1, k)
+    x[0, 7] *= 30
+    ref = (cpu_kernels.round_q8(x).double() @ g.dequantize().double().T).float()
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+    untiled = cpu_kernels.q4_linear(x, lin.qs, lin.dm, True)
+    torch.testing.assert_close(lin(x), untiled, rtol=1e-5, atol=1e-5)
+    assert (lin(x) - cpu_kernels.q4_linear(x, lin.qs, lin.dm)).abs().max() > 1e-3  # the rounding is there
+    fused = weights.fuse([lin, type(lin).cat([lin])])
+    assert weights.kernel_tensors(fused)[0][2].shape == (10, k // 32, 320)
+    torch.testing.assert_close(fused(x), torch.cat([lin(x), lin(x)], -1), rtol=1e-6, atol=1e-6)
+
+
+@native
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_native_kernels_give_a_row_the_same_bits_in_any_batch_of_several(fmt):
     """From two rows up a row's output does not depend on the rows beside it: the register tiles

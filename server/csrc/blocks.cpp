@@ -80,7 +80,7 @@ inline void store8(at::Half* p, __m256 v) {
 at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at::Tensor>& bias, bool q8) {
   TORCH_CHECK(!w.empty(), "a linear needs its weight tensors");
   at::Tensor y;
-  const auto wide = w.size() > 2 ? std::optional<at::Tensor>(w[2]) : std::nullopt;  // int4bf16's bf16 copy
+  const auto wide = w.size() > 2 ? std::optional<at::Tensor>(w[2]) : std::nullopt;  // int4bf16's bf16 copy or int4q8's VNNI tiles
   if (w[0].scalar_type() == at::kByte) {
     y = igserve::q4_linear(x, w[0], w[1], q8, wide);
   } else if (w[0].scalar_type() == at::kChar) {

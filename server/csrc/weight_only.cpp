@@ -11,7 +11,8 @@
 // float scale (absmax / 127), as llama.cpp's Q8_1 does. A single row then runs integer dot
 // products (maddubs: 32 multiply-adds per instruction, about 1.6x faster than expanding Q4_1 to
 // float32); more rows run the float32 kernel on the rounded activations, which computes the same
-// product to float32 rounding, so a row's result does not depend on the rows batched with it.
+// product to float32 rounding, so a row's result does not depend on the rows batched with it. On
+// AVX-512 VNNI a single row runs q8_tile_row instead, over the same groups laid out in 16-channel tiles.
 //
 // int4bf16 (a linear that carries a bf16 copy, `wide`): from wide_rows() rows oneDNN's bf16 matmul;
 // up to EXPAND_ROWS rows, on a CPU with AVX-512 BF16 (checked at run time), bf16 dot products on
@@ -23,6 +24,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <type_traits>
 #include <vector>
@@ -294,6 +296,42 @@ Q8Rows q8_rows(const float* x, int64_t R, int64_t K, bool rounded) {
   return r;
 }
 
+// int4q8's one row on AVX-512 VNNI, over `tiles` (cpu_kernels.pack_q4_tiles): 16 output channels
+// share each vector, so 64 nibbles take one load, a mask (a shift for the high ones) and one
+// vpdpbusd with four activation bytes broadcast; no per-channel reduction and no shuffles. Per
+// channel tile and group: 256 bytes of nibbles (byte 4c + i of block j holds k = 4j + i of channel
+// c in its low nibble and k + 16 in its high one), then the 16 channels' fp16 d, then their fp16 m.
+constexpr int64_t TILE_CH = 16, TILE_BYTES = 256 + 64;
+#define IGSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
+IGSERVE_VNNI void q8_tile_row(const uint8_t* tiles, const Q8Rows& x, int64_t t0, int64_t t1, float* y) {
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* p = tiles + t * x.G * TILE_BYTES;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < x.G; ++g, p += TILE_BYTES) {
+      const int32_t* xg = reinterpret_cast<const int32_t*>(x.q.data() + g * GROUP);
+      __m512i sum = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * j);
+        sum = _mm512_dpbusd_epi32(sum, _mm512_and_si512(v, low), _mm512_set1_epi32(xg[j]));
+        sum = _mm512_dpbusd_epi32(sum, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xg[j + 4]));
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x.d[g])), acc);
+      acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[g]), acc);
+    }
+    _mm512_storeu_ps(y + t * TILE_CH, acc);
+  }
+}
+
 // One row against NC Q4_1 channels with integer dot products:
 // sum (dw q + m)(dx p) = dw dx sum(q p) + m dx sum(p).
 template <int NC>
@@ -469,7 +507,7 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w) {
 // x @ wide^T in bf16 for calls of wide_from() rows and more on a linear that has a bf16 copy; else none.
 std::optional<at::Tensor> wide_or_none(const at::Tensor& x, const std::optional<at::Tensor>& wide, int64_t N,
                                        int64_t K) {
-  if (!wide || !wide->defined() || x.size(0) < wide_from()) return std::nullopt;
+  if (!wide || !wide->defined() || wide->scalar_type() == at::kByte || x.size(0) < wide_from()) return std::nullopt;
   TORCH_CHECK(wide->scalar_type() == at::kBFloat16 && wide->size(0) == N && wide->size(1) == K,
               "wide must be the bfloat16 weight [N, K]");
   return wide_linear(x.to(at::kBFloat16), *wide).to(at::kFloat);
@@ -520,6 +558,15 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
     one_row(N, [&](auto nc, int64_t n) { tile_q4_row<decltype(nc)::value>(wr, xp, n, yp); });
   } else if (!q8) {
     run(w, x.data_ptr<float>(), R, K, yp, N);
+  } else if (R == 1 && wide && wide->defined() && wide->scalar_type() == at::kByte && has_vnni()) {
+    TORCH_CHECK(N % TILE_CH == 0 && wide->numel() == N / TILE_CH * w.G * TILE_BYTES, "tiles must be [N/16, K/32, 320] uint8");
+    Q8Rows xq = q8_rows(x.data_ptr<float>(), 1, K, true);  // the rounded x, in natural order for the tiles
+    for (int64_t k = 0; k < K; ++k) {
+      const float dg = xq.d[k / GROUP];
+      xq.q[k] = dg > 0 ? static_cast<int8_t>(std::nearbyint(xq.x[k] / dg)) : 0;
+    }
+    const uint8_t* tp = wide->data_ptr<uint8_t>();
+    at::parallel_for(0, N / TILE_CH, 4, [&](int64_t b, int64_t e) { q8_tile_row(tp, xq, b, e, yp); });
   } else if (R == 1) {
     const Q8Rows xq = q8_rows(x.data_ptr<float>(), 1, K, false);
     one_row(N, [&](auto nc, int64_t n) { tile_q8<decltype(nc)::value>(w, xq, n, yp); });
@@ -552,11 +599,13 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 
 int64_t wide_rows() { return wide_from(); }
 bool row_bf16() { return has_bf16_dot(); }
+bool q8_tiles() { return has_vnni(); }
 
 TORCH_LIBRARY(igserve, lib) {
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm, bool q8=False, Tensor? wide=None) -> Tensor");
   lib.def("wide_rows() -> int", wide_rows);
   lib.def("row_bf16() -> bool", row_bf16);
+  lib.def("q8_tiles() -> bool", q8_tiles);
   lib.def("i8_linear(Tensor x, Tensor q, Tensor scales, Tensor? wide=None) -> Tensor");
 }
 
