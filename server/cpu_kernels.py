@@ -126,13 +126,18 @@ def q8_tiles() -> bool:
     return torch.ops.igserve.q8_tiles()
 
 
+# the order of a group's 32 elements in the kernels' int8-rounded activations (weight_only.cpp, q8_row)
+Q8_ORDER = [*range(0, 8), *range(16, 24), *range(8, 16), *range(24, 32)]
+
+
 def pack_q4_tiles(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Q4_1 groups (q [N, K] in 0..15, d and m [N, K/32]) as int4q8's VNNI tiles, uint8 [N/16, K/32, 320]:
-    per 16 channels and group, 256 bytes of nibbles (byte 4c + i of block j: k = 4j + i of channel c
-    low, k + 16 high), then the 16 channels' fp16 d and fp16 m (weight_only.cpp, q8_tile_row)."""
+    per 16 channels and group, 256 bytes of nibbles (byte 4c + i of block j: position 4j + i of the
+    rounded activations' order low, 4j + i + 16 high), then the 16 channels' fp16 d and fp16 m
+    (weight_only.cpp, q8_tile_row)."""
     n, k = q.shape
     t, g = n // 16, k // 32
-    q = q.to(torch.uint8).view(t, 16, g, 32)
+    q = q.to(torch.uint8).view(t, 16, g, 32)[..., Q8_ORDER]
     lo = q[..., :16].reshape(t, 16, g, 4, 4).permute(0, 2, 3, 1, 4)  # [t, g, j, c, i]
     hi = q[..., 16:].reshape(t, 16, g, 4, 4).permute(0, 2, 3, 1, 4)
     nibbles = (lo | (hi << 4)).reshape(t, g, 256)

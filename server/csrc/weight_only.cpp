@@ -24,7 +24,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <type_traits>
 #include <vector>
@@ -299,8 +298,9 @@ Q8Rows q8_rows(const float* x, int64_t R, int64_t K, bool rounded) {
 // int4q8's one row on AVX-512 VNNI, over `tiles` (cpu_kernels.pack_q4_tiles): 16 output channels
 // share each vector, so 64 nibbles take one load, a mask (a shift for the high ones) and one
 // vpdpbusd with four activation bytes broadcast; no per-channel reduction and no shuffles. Per
-// channel tile and group: 256 bytes of nibbles (byte 4c + i of block j holds k = 4j + i of channel
-// c in its low nibble and k + 16 in its high one), then the 16 channels' fp16 d, then their fp16 m.
+// channel tile and group: 256 bytes of nibbles (byte 4c + i of block j holds channel c's weight at
+// position 4j + i of q8_row's order in its low nibble and at 4j + i + 16 in its high one), then the
+// 16 channels' fp16 d, then their fp16 m.
 constexpr int64_t TILE_CH = 16, TILE_BYTES = 256 + 64;
 #define IGSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
@@ -560,11 +560,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
     run(w, x.data_ptr<float>(), R, K, yp, N);
   } else if (R == 1 && wide && wide->defined() && wide->scalar_type() == at::kByte && has_vnni()) {
     TORCH_CHECK(N % TILE_CH == 0 && wide->numel() == N / TILE_CH * w.G * TILE_BYTES, "tiles must be [N/16, K/32, 320] uint8");
-    Q8Rows xq = q8_rows(x.data_ptr<float>(), 1, K, true);  // the rounded x, in natural order for the tiles
-    for (int64_t k = 0; k < K; ++k) {
-      const float dg = xq.d[k / GROUP];
-      xq.q[k] = dg > 0 ? static_cast<int8_t>(std::nearbyint(xq.x[k] / dg)) : 0;
-    }
+    const Q8Rows xq = q8_rows(x.data_ptr<float>(), 1, K, false);
     const uint8_t* tp = wide->data_ptr<uint8_t>();
     at::parallel_for(0, N / TILE_CH, 4, [&](int64_t b, int64_t e) { q8_tile_row(tp, xq, b, e, yp); });
   } else if (R == 1) {
