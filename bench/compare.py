@@ -7,7 +7,8 @@ greedy) run at every client count. llama-server (``-t 2 --parallel 16 --threads-
 the shipped Q4_1 GGUF and BF16/F32 GGUFs converted from the cached model with the source tree's
 ``convert_hf_to_gguf.py``; igserve runs as ``make serve`` starts it (IG routing, and the same server
 with the dense mask forced). Every request opens its own connection: llama-server's keep-alive
-drops idle connections. ``llama-bench`` adds batch-1 decode figures per GGUF when it was built.
+drops idle connections. ``llama-bench`` adds batch-1 decode figures per GGUF when it was built, and
+igserve's runner its own in the served format, in the same run (``bench decode``'s measurement).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from server import cpu_kernels, models
 from server.config import DEFAULT_BANK
 
 LLAMA_FORMATS = {"Q4_1": None, "BF16": "bf16", "F32": "f32"}  # None: the packaged GGUF as shipped
+# the llama.cpp format each igserve weight format is compared with at batch 1
+SAME_FORMAT = {"int4": "Q4_1", "int4q8": "Q4_1", "int4bf16": "Q4_1", "bf16": "BF16", "fp32": "F32"}
 
 
 def add_arguments(parser) -> None:
@@ -176,6 +179,22 @@ def acceptance(runs: list[dict], client_counts: list[int]) -> dict:
     return out
 
 
+def batch1_decode(igserve_tok_s: float | None, weights: str | None, bench: dict[str, float]) -> dict | None:
+    """igserve's dense batch-1 decode over llama-bench's at the same format (target >= 1.0): against
+    llama-bench as it runs by default and, where llama-server needed LLAMA_FALLBACK, in that form too."""
+    fmt = SAME_FORMAT.get(weights or "")
+    if not igserve_tok_s or fmt not in bench:
+        return None
+    out = {"igserve_dense_tok_s": igserve_tok_s, "weights": weights, "llama_format": fmt,
+           "llama_bench_tok_s": bench[fmt], "ratio": round(igserve_tok_s / bench[fmt], 3),
+           "ok": igserve_tok_s >= bench[fmt]}
+    fallback = f"{fmt} {' '.join(LLAMA_FALLBACK)}"
+    if fallback in bench:
+        out.update(llama_bench_fallback=" ".join(LLAMA_BENCH_FALLBACK), llama_bench_fallback_tok_s=bench[fallback],
+                   ratio_vs_fallback=round(igserve_tok_s / bench[fallback], 3))
+    return out
+
+
 def plot(runs: list[dict], path: str) -> None:
     import matplotlib
 
@@ -230,11 +249,20 @@ def run(args) -> int:
                 runs.append({"server": "igserve", "format": health.get("weights", "?"), **r})
         finally:
             _stop(proc)
+    decode = None
+    if not args.skip_igserve and health.get("weights"):
+        from bench.decode import dense_decode_tok_s
+
+        print(f"igserve runner batch-1 decode ({health['weights']})", flush=True)
+        decode = dense_decode_tok_s(args.model, health["weights"], new_tokens=args.max_tokens)
+    bench = llama_bench(root, files, args.max_tokens, {r["format"] for r in runs if r.get("extra_args")})
+    accepted = acceptance(runs, client_counts)
+    if one_row := batch1_decode(decode, health.get("weights"), bench):
+        accepted["batch1_decode"] = one_row
     result = {
         "runs": runs,
-        "acceptance": acceptance(runs, client_counts),
-        "llama_bench_decode_tok_s": llama_bench(root, files, args.max_tokens,
-                                                {r["format"] for r in runs if r.get("extra_args")}),
+        "acceptance": accepted,
+        "llama_bench_decode_tok_s": bench,
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags()},
         "config": {"clients": client_counts, "requests_per_client": args.requests_per_client,
                    "max_tokens": args.max_tokens, "ignore_eos": True, "prompts": str(args.prompts),

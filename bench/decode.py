@@ -107,6 +107,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
 
+def dense_decode_tok_s(model: str, fmt: str, prompt_tokens: int = 128, new_tokens: int = 64, repeats: int = 3) -> float:
+    """Median batch-1 dense decode tok/s of the runner in weight format ``fmt`` (this module's prompt
+    and timing), for reports that set it beside a peer's batch-1 figure (``bench compare``)."""
+    resolved, dtype = models.resolve_weights(fmt, "auto")
+    lm = models.load(model, dtype=dtype, weights=resolved)
+    runner = BlockRunner(lm.model, max_batch=1, max_len=prompt_tokens + new_tokens + 1)
+    ids = lm.tokenizer(PROMPT * (1 + prompt_tokens // 40), add_special_tokens=False)["input_ids"][:prompt_tokens]
+    dense = torch.ones(runner.num_blocks, dtype=torch.bool)
+    with torch.inference_mode():
+        run_runner(runner, ids, dense, new_tokens)  # warm-up
+        return round(statistics.median(run_runner(runner, ids, dense, new_tokens)[1] for _ in range(repeats)), 2)
+
+
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -6,8 +6,9 @@ row, so on a CPU without native bf16 arithmetic each linear paid two casts and a
 nearly its row count times one row. These kernels expand each weight group once per call and
 use it for every row, in float32: the result is the Q4_1 dequantisation to float32 rounding.
 With ``q8`` (format int4q8) the activations are rounded to int8 first and one row runs integer
-dot products, as llama.cpp does. int4bf16 on a CPU with AVX-512 BF16 runs up to 4 rows in bf16
-dot products (``row_bf16``), chosen at run time: the build itself needs AVX2 only.
+dot products, as llama.cpp does. One row of int4q8 on AVX-512 VNNI (``q8_tiles``) and up to 4 rows
+of int4bf16 on AVX-512 BF16 (``row_bf16``) run on a copy of the groups in 16-channel tiles
+(``pack_q4_tiles``), chosen at run time: the build itself needs AVX2 only.
 Built on first use with torch's extension builder (cached under ``$IGSERVE_CACHE/kernels``;
 the time is logged); where the CPU lacks the instructions, no compiler is found or the
 build fails, ``available()`` is False and the formats use torch's kernels.
@@ -98,12 +99,13 @@ def unpack_dm(dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = False,
-              wide: torch.Tensor | None = None) -> torch.Tensor:
+              wide: torch.Tensor | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [R, K] float32 @ W^T for Q4_1 W in the packed layout -> [R, N] float32; ``q8``: x2
     rounded to int8 per group of 32 first (``round_q8``); ``wide``: W in bfloat16 [N, K], which
-    calls of ``wide_rows()`` rows and more multiply in bfloat16 instead (up to 4 rows too, in
-    igserve's bf16 kernel, where ``row_bf16()``)."""
-    return torch.ops.igserve.q4_linear(x2, qs, dm, q8, wide)
+    calls of ``wide_rows()`` rows and more multiply in bfloat16 instead; ``tiles``: the groups
+    as ``pack_q4_tiles`` lays them out, for one row of ``q8`` where ``q8_tiles()`` and, without
+    ``q8``, for up to 4 rows in bf16 dot products (x rounded to bf16) where ``row_bf16()``."""
+    return torch.ops.igserve.q4_linear(x2, qs, dm, q8, wide, tiles)
 
 
 @functools.cache
@@ -115,8 +117,7 @@ def wide_rows() -> int:
 @functools.cache
 def row_bf16() -> bool:
     """Whether this CPU runs calls of up to 4 rows of an int4bf16 linear in bfloat16 dot products
-    (AVX-512 BF16; for a layer whose groups come in pairs, in_features % 64 == 0): x rounded to
-    bf16, as its many-row calls round it."""
+    on its tiles (AVX-512 BF16): x rounded to bf16, as its many-row calls round it."""
     return torch.ops.igserve.row_bf16()
 
 
@@ -131,10 +132,10 @@ Q8_ORDER = [*range(0, 8), *range(16, 24), *range(8, 16), *range(24, 32)]
 
 
 def pack_q4_tiles(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Q4_1 groups (q [N, K] in 0..15, d and m [N, K/32]) as int4q8's VNNI tiles, uint8 [N/16, K/32, 320]:
-    per 16 channels and group, 256 bytes of nibbles (byte 4c + i of block j: position 4j + i of the
-    rounded activations' order low, 4j + i + 16 high), then the 16 channels' fp16 d and fp16 m
-    (weight_only.cpp, q8_tile_row)."""
+    """Q4_1 groups (q [N, K] in 0..15, d and m [N, K/32]) as 16-channel tiles, uint8 [N/16, K/32, 320]:
+    per 16 channels and group, 256 bytes of nibbles (byte 4c + i of block j: position 4j + i of
+    ``Q8_ORDER`` low, 4j + i + 16 high), then the 16 channels' fp16 d and fp16 m (weight_only.cpp,
+    q8_tile_row and q4_tile_bf16)."""
     n, k = q.shape
     t, g = n // 16, k // 32
     q = q.to(torch.uint8).view(t, 16, g, 32)[..., Q8_ORDER]

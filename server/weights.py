@@ -123,7 +123,6 @@ class _WeightOnlyLinear(torch.nn.Module):
     in_features: int
     out_features: int
     bias: torch.Tensor | None
-    few_rows_bf16 = False  # int4bf16: its kernel runs up to 4 rows in bf16 (cpu_kernels.row_bf16)
 
     @property
     def kernel_dtype(self) -> torch.dtype:
@@ -149,14 +148,12 @@ class _WeightOnlyLinear(torch.nn.Module):
         return None if packed is None else packed.tensor
 
     def _wide_for(self, x2: torch.Tensor) -> torch.Tensor | None:
-        """``wide`` for a call that multiplies in bf16: ``cpu_kernels.wide_rows()`` rows or more,
-        and any call of a linear whose kernel reads it as int4bf16's mark for few rows
-        (``few_rows_bf16``), as the fused blocks pass it."""
+        """``wide`` for a call that multiplies in bf16 (``cpu_kernels.wide_rows()`` rows or more), else None."""
         from server import cpu_kernels
 
         if getattr(self, "_wide", None) is None:
             return None
-        return self.wide if self.few_rows_bf16 or x2.shape[0] >= cpu_kernels.wide_rows() else None
+        return self.wide if x2.shape[0] >= cpu_kernels.wide_rows() else None
 
 
 class Int4Linear(_WeightOnlyLinear):
@@ -164,8 +161,6 @@ class Int4Linear(_WeightOnlyLinear):
     nibbles and fp16 d, m (server/cpu_kernels.py), else torch's int4 kernel in ``dtype``. ``q8``
     (native only): the activations are rounded to int8 per group of 32 first, as llama.cpp does,
     so a single row runs integer dot products."""
-
-    few_rows_bf16 = True
 
     def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype, device="cpu",
                  native: bool = False, q8: bool = False, wide: bool = False):
@@ -186,10 +181,11 @@ class Int4Linear(_WeightOnlyLinear):
             self.register_buffer("qs", cpu_kernels.pack_q4(groups.q))
             self.register_buffer("dm", cpu_kernels.pack_dm(groups.d, groups.m))
             self.register_buffer("bias", None if bias is None else bias.detach().float())
-            # int4q8 on AVX-512 VNNI: the same groups as 16-channel tiles for one-row calls (an
-            # attribute, not a buffer: a one-row step reads them instead of qs and dm, as many bytes)
-            self._tiles = (cpu_kernels.pack_q4_tiles(groups.q, groups.d, groups.m)
-                           if self.q8 and n % 16 == 0 and cpu_kernels.q8_tiles() else None)
+            # the same groups as 16-channel tiles, for int4q8's one row on AVX-512 VNNI and int4bf16's
+            # few rows on AVX-512 BF16 (an attribute, not a buffer: a one-row step reads them instead
+            # of qs and dm, as many bytes)
+            tiled = cpu_kernels.q8_tiles() if self.q8 else wide and cpu_kernels.row_bf16()
+            self._tiles = cpu_kernels.pack_q4_tiles(groups.q, groups.d, groups.m) if tiled else None
             return
         self.register_buffer("packed", _torch_int4_pack(groups.q, device))
         zero = groups.m + 8 * groups.d
@@ -205,8 +201,8 @@ class Int4Linear(_WeightOnlyLinear):
         if self.native:
             from server import cpu_kernels
 
-            extra = getattr(self, "_tiles", None) if self.q8 else self._wide_for(x2)
-            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8, extra)
+            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8, self._wide_for(x2),
+                                         getattr(self, "_tiles", None))
         if self.cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
@@ -344,7 +340,7 @@ def _stacked(cls, parts, dims: dict[str, int]):
         out.register_buffer(name, None if bufs[0] is None else torch.cat(bufs, dim))
     out.out_features = sum(p.out_features for p in parts)
     out._wide = None if getattr(parts[0], "_wide", None) is None else True  # its own bf16 copy, made on first use
-    if getattr(parts[0], "_tiles", None) is not None:  # int4q8's VNNI tiles stack along N as the groups do
+    if getattr(parts[0], "_tiles", None) is not None:  # tiles stack along N as the groups do
         out._tiles = torch.cat([p._tiles for p in parts])
     return out
 
@@ -419,12 +415,13 @@ def native_kernels(device: str, dtype: torch.dtype) -> bool:
 
 def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
     """(weight tensors, bias) as igserve's fused CPU blocks take a linear (server/csrc/blocks.cpp):
-    [qs, dm] for native int4, [q, scales] for native int8, [weight] for float32; None otherwise."""
+    [qs, dm] for native int4, [q, scales] for native int8 (then the bf16 copy where there is one, and
+    int4's tiles), [weight] for float32; None otherwise."""
     if isinstance(linear, torch.nn.Linear) and linear.weight.dtype == torch.float32:
         return [linear.weight.detach()], None if linear.bias is None else linear.bias.detach()
     if isinstance(linear, Int4Linear) and linear.native:
-        extra = getattr(linear, "_tiles", None) if linear.q8 else linear.wide
-        return [linear.qs, linear.dm] + ([] if extra is None else [extra]), linear.bias
+        extra = [t for t in (linear.wide, getattr(linear, "_tiles", None)) if t is not None]
+        return [linear.qs, linear.dm] + extra, linear.bias
     if isinstance(linear, Int8Linear) and linear.native:
         return [linear.weight, linear.scales] + ([] if linear.wide is None else [linear.wide]), linear.bias
     return None

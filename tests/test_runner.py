@@ -293,7 +293,10 @@ def test_fused_blocks_equal_eager_ops(tiny_model_dir, tmp_path, fmt, heads):
     prompts = random_prompts(4, [3, 31, 12, 20], seed=7)
     slots = [2, 0, 3, 1]
     got, want = _trace_chunked(fused, prompts, masks, slots), _trace_chunked(eager, prompts, masks, slots)
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    # int4bf16 rounds each linear's input to bf16: a last-bit difference between the C++ and torch
+    # norms can move one input by a whole bf16 step (about 1e-3 on these logits)
+    tol = dict(atol=5e-3, rtol=1e-3) if fmt == "int4bf16" else dict(atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
     # K/V of each row at a layer whose attention it runs is the eager path's
     for row, slot in enumerate(slots):
         for layer in range(4):

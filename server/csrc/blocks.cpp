@@ -76,13 +76,14 @@ inline void store8(at::Half* p, __m256 v) {
 }
 
 // y = x W^T (+ b); W as the formats store it: [qs, dm] (Q4_1; q8: int8-rounded activations), [q, scales]
-// (int8) or [weight].
+// (int8) or [weight], then optionally a bf16 copy (int4bf16, int8 with wide) and, for Q4_1, uint8 tiles.
 at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at::Tensor>& bias, bool q8) {
   TORCH_CHECK(!w.empty(), "a linear needs its weight tensors");
   at::Tensor y;
-  const auto wide = w.size() > 2 ? std::optional<at::Tensor>(w[2]) : std::nullopt;  // int4bf16's bf16 copy or int4q8's VNNI tiles
+  std::optional<at::Tensor> wide, tiles;
+  for (size_t i = 2; i < w.size(); ++i) (w[i].scalar_type() == at::kByte ? tiles : wide) = w[i];
   if (w[0].scalar_type() == at::kByte) {
-    y = igserve::q4_linear(x, w[0], w[1], q8, wide);
+    y = igserve::q4_linear(x, w[0], w[1], q8, wide, tiles);
   } else if (w[0].scalar_type() == at::kChar) {
     y = igserve::i8_linear(x, w[0], w[1], wide);
   } else {

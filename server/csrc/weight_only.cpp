@@ -16,7 +16,7 @@
 //
 // int4bf16 (a linear that carries a bf16 copy, `wide`): from wide_rows() rows oneDNN's bf16 matmul;
 // up to EXPAND_ROWS rows, on a CPU with AVX-512 BF16 (checked at run time), bf16 dot products on
-// the Q4_1 groups (tile_q4_row_bf16).
+// the same 16-channel tiles (q4_tile_bf16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -164,78 +164,7 @@ inline void tile_q4_row(const Q4& w, const float* __restrict x, int64_t n0, floa
   for (int c = 0; c < NC; ++c) y[n0 + c] = hsum(acc[c]) + min_term(ch[c].dm, w.xsum, w.G);
 }
 
-// Few rows in bfloat16 dot products (int4bf16 on a CPU with AVX-512 BF16): each row of x rounded to
-// bf16 once per call, the nibbles turned into bf16 by a table lookup (0..15 are exact), two groups per
-// 512-bit vdpbf16ps pair. Converting nibbles to float32 bounds the float32 row (tile_q4_row);
-// here 64 weights take one widening load, a mask, a shift, two lookups and two dot products.
-// The product is that of the bf16-rounded x, as int4bf16's oneDNN path computes it from wide_rows() rows.
-struct Bf16Row {
-  std::vector<uint16_t> lo, hi;  // per pair of groups: 32 bf16 of x in the low / high nibbles' order
-  std::vector<float> xsum;       // per group: the sum of the rounded x
-};
-
-#define IGSERVE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
-IGSERVE_BF16 Bf16Row bf16_row(const float* x, int64_t K) {
-  const int64_t G = K / GROUP;
-  Bf16Row r{std::vector<uint16_t>(K / 2), std::vector<uint16_t>(K / 2), std::vector<float>(G)};
-  // word i of a pair's low (high) vector: byte i % 16 of group i / 16 (see Q4), low (high) nibble,
-  // as an index into the pair's 64 elements: 0..7, 16..23 of each group (8..15, 24..31 for high)
-  const __m512i li = _mm512_setr_epi32(0x00010000, 0x00030002, 0x00050004, 0x00070006, 0x00110010, 0x00130012,
-                                       0x00150014, 0x00170016, 0x00210020, 0x00230022, 0x00250024, 0x00270026,
-                                       0x00310030, 0x00330032, 0x00350034, 0x00370036);
-  const __m512i hi = _mm512_add_epi16(li, _mm512_set1_epi16(8));
-  for (int64_t p = 0; p < G / 2; ++p) {
-    __m512i nat[2];
-    for (int k = 0; k < 2; ++k) {
-      const float* xg = x + (2 * p + k) * GROUP;
-      const __m256bh a = _mm512_cvtneps_pbh(_mm512_loadu_ps(xg)), b = _mm512_cvtneps_pbh(_mm512_loadu_ps(xg + 16));
-      nat[k] = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)a), (__m256i)b, 1);
-      const __m512 s = _mm512_add_ps(_mm512_cvtpbh_ps(a), _mm512_cvtpbh_ps(b));
-      r.xsum[2 * p + k] = _mm512_reduce_add_ps(s);
-    }
-    _mm512_storeu_si512(r.lo.data() + 32 * p, _mm512_permutex2var_epi16(nat[0], li, nat[1]));
-    _mm512_storeu_si512(r.hi.data() + 32 * p, _mm512_permutex2var_epi16(nat[0], hi, nat[1]));
-  }
-  return r;
-}
-
-// RB rows (bf16_row each) against NC Q4_1 channels: each weight pair is looked up once for all rows.
-template <int NC, int RB>
-IGSERVE_BF16 void tile_q4_row_bf16(const Q4& w, const Bf16Row* x, int64_t n0, float* __restrict y, int64_t N) {
-  Q4::Channel ch[NC];
-  for (int c = 0; c < NC; ++c) ch[c] = w.channel(n0 + c);
-  __m512 acc[NC][RB];
-  for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < RB; ++r) acc[c][r] = _mm512_setzero_ps();
-  // bf16 of 0..15, indexed by a nibble
-  const __m512i tab = _mm512_setr_epi32(0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0, 0x41104100, 0x41304120,
-                                        0x41504140, 0x41704160, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i low = _mm512_set1_epi16(15);
-  const __m512i dsel = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  for (int64_t p = 0; p < w.G / 2; ++p) {
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(ch[c].q + p * 32 + PF), _MM_HINT_T0);
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch[c].q + p * 32)));
-      const __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), tab);
-      const __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
-      // [d_g, m_g, d_g+1, m_g+1] -> d_g in lanes 0..7 (group g's sums), d_g+1 in 8..15
-      const __m128 f = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ch[c].dm + 2 * p)));
-      const __m512 d = _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(f));
-#pragma GCC unroll 4
-      for (int r = 0; r < RB; ++r) {
-        const __m512bh xl = (__m512bh)_mm512_loadu_si512(x[r].lo.data() + 32 * p);
-        const __m512bh xh = (__m512bh)_mm512_loadu_si512(x[r].hi.data() + 32 * p);
-        const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wl, xl), wh, xh);
-        acc[c][r] = _mm512_fmadd_ps(dot, d, acc[c][r]);
-      }
-    }
-  }
-  for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < RB; ++r)
-      y[r * N + n0 + c] = _mm512_reduce_add_ps(acc[c][r]) + min_term(ch[c].dm, x[r].xsum.data(), w.G);
-}
+#define IGSERVE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 
 bool has_bf16_dot() {
   static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
@@ -302,6 +231,12 @@ Q8Rows q8_rows(const float* x, int64_t R, int64_t K, bool rounded) {
 // position 4j + i of q8_row's order in its low nibble and at 4j + i + 16 in its high one), then the
 // 16 channels' fp16 d, then their fp16 m.
 constexpr int64_t TILE_CH = 16, TILE_BYTES = 256 + 64;
+// bytes ahead that the tile kernels prefetch: one core's sequential stream from DRAM runs well
+// below its bandwidth on the hardware prefetcher alone (README, "Benchmarks")
+constexpr int64_t TILE_PF = 2048;
+inline void prefetch_tile_group(const uint8_t* p) {
+  for (int64_t l = 0; l < TILE_BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF + l), _MM_HINT_T0);
+}
 #define IGSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
 bool has_vnni() {
@@ -316,6 +251,7 @@ IGSERVE_VNNI void q8_tile_row(const uint8_t* tiles, const Q8Rows& x, int64_t t0,
     const uint8_t* p = tiles + t * x.G * TILE_BYTES;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < x.G; ++g, p += TILE_BYTES) {
+      prefetch_tile_group(p);
       const int32_t* xg = reinterpret_cast<const int32_t*>(x.q.data() + g * GROUP);
       __m512i sum = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
@@ -329,6 +265,91 @@ IGSERVE_VNNI void q8_tile_row(const uint8_t* tiles, const Q8Rows& x, int64_t t0,
       acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[g]), acc);
     }
     _mm512_storeu_ps(y + t * TILE_CH, acc);
+  }
+}
+
+// int4bf16's few rows on AVX-512 BF16, over the same tiles: x rounded to bf16 once per call, in
+// q8_row's order per group so that four consecutive values meet one channel's four nibbles of a block.
+// A nibble q becomes a bf16 weight by bit operations alone: 0x3F80 | q << 3 is 1 + q/16 exactly.
+// Each vdpbf16ps covers 8 channels x 2 pairs of positions (fp32 lane 2c + h: channel c, positions
+// 4j + 2h, 4j + 2h + 1 and 16 on), its x a 64-bit broadcast, so a lane sums S = sum (1 + q/16) x over
+// the positions of its parity h; once per group it takes off that parity's sum of x (the offset, in
+// the lane where it was added) and scales by 16 d. Then sum (d q + m) x = 16 d (S - sum x) + m sum x;
+// even and odd lanes are added once per tile. Every row runs the same instructions in the same order,
+// so a row's result does not depend on its batch.
+struct Bf16Rows {
+  std::vector<uint16_t> x;  // [R, K]: bf16, q8_row's order per group
+  std::vector<float> s;     // [R, G, 2]: per group, the sums of the rounded x at parity 0 and 1
+  int64_t K, G;
+};
+
+IGSERVE_BF16 Bf16Rows bf16_rows(const float* x, int64_t R, int64_t K) {
+  const int64_t G = K / GROUP;
+  Bf16Rows r{std::vector<uint16_t>(R * K), std::vector<float>(R * G * 2), K, G};
+  for (int64_t i = 0; i < R * G; ++i) {
+    const float* xg = x + i * GROUP;
+    const __m256i a = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xg));       // elements 0..15
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xg + 16));  // 16..31
+    const __m256i lo = _mm256_permute2x128_si256(a, b, 0x20), hi = _mm256_permute2x128_si256(a, b, 0x31);
+    uint16_t* o = r.x.data() + i * GROUP;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), lo);       // 0..7, 16..23
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), hi);  // 8..15, 24..31
+    const __m512 u = _mm512_add_ps(_mm512_cvtpbh_ps((__m256bh)lo), _mm512_cvtpbh_ps((__m256bh)hi));  // position p and p + 16
+    r.s[2 * i] = _mm512_mask_reduce_add_ps(0x3333, u);      // (p / 2) % 2 == 0
+    r.s[2 * i + 1] = _mm512_mask_reduce_add_ps(0xCCCC, u);
+  }
+  return r;
+}
+
+template <int RB>
+IGSERVE_BF16 void q4_tile_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t t0, int64_t t1, float* y, int64_t N) {
+  const __m512i one = _mm512_set1_epi16(0x3F80), bits = _mm512_set1_epi16(0x78);
+  const __m512i lo8 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i hi8 = _mm512_add_epi32(lo8, _mm512_set1_epi32(8));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 sixteen = _mm512_set1_ps(16.0f);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* p = tiles + t * x.G * TILE_BYTES;
+    __m512 a0[RB], a1[RB], a2[RB];  // channels 0..7 and 8..15 in lane pairs; the min term
+    for (int r = 0; r < RB; ++r) a0[r] = a1[r] = a2[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < x.G; ++g, p += TILE_BYTES) {
+      prefetch_tile_group(p);
+      __m512 s0[RB], s1[RB];
+      for (int r = 0; r < RB; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j)));
+        const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32)));
+        // (a & b) | c: the nibble moved to mantissa bits 3..6, under the exponent of 1
+        const __m512bh w0l = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v0, 3), bits, one, 0xEA);
+        const __m512bh w0h = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 1), bits, one, 0xEA);
+        const __m512bh w1l = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v1, 3), bits, one, 0xEA);
+        const __m512bh w1h = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 1), bits, one, 0xEA);
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; ++r) {
+          const uint16_t* xg = x.x.data() + r * x.K + g * GROUP + 4 * j;
+          const __m512bh xl = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg));
+          const __m512bh xh = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg + 16));
+          s0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(s0[r], w0l, xl), w0h, xh);
+          s1[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(s1[r], w1l, xl), w1h, xh);
+        }
+      }
+      const __m512 d16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256))), sixteen);
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+      const __m512 dl = _mm512_permutexvar_ps(lo8, d16), dh = _mm512_permutexvar_ps(hi8, d16);
+      for (int r = 0; r < RB; ++r) {
+        const float* xs = x.s.data() + 2 * (r * x.G + g);
+        const __m512 off = _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(xs)));  // [s0, s1] x 8
+        a0[r] = _mm512_fmadd_ps(_mm512_sub_ps(s0[r], off), dl, a0[r]);
+        a1[r] = _mm512_fmadd_ps(_mm512_sub_ps(s1[r], off), dh, a1[r]);
+        a2[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[0] + xs[1]), a2[r]);
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m512 dot = _mm512_add_ps(_mm512_permutex2var_ps(a0[r], even, a1[r]), _mm512_permutex2var_ps(a0[r], odd, a1[r]));
+      _mm512_storeu_ps(y + r * N + t * TILE_CH, _mm512_add_ps(dot, a2[r]));
+    }
   }
 }
 
@@ -507,7 +528,7 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w) {
 // x @ wide^T in bf16 for calls of wide_from() rows and more on a linear that has a bf16 copy; else none.
 std::optional<at::Tensor> wide_or_none(const at::Tensor& x, const std::optional<at::Tensor>& wide, int64_t N,
                                        int64_t K) {
-  if (!wide || !wide->defined() || wide->scalar_type() == at::kByte || x.size(0) < wide_from()) return std::nullopt;
+  if (!wide || !wide->defined() || x.size(0) < wide_from()) return std::nullopt;
   TORCH_CHECK(wide->scalar_type() == at::kBFloat16 && wide->size(0) == N && wide->size(1) == K,
               "wide must be the bfloat16 weight [N, K]");
   return wide_linear(x.to(at::kBFloat16), *wide).to(at::kFloat);
@@ -518,7 +539,7 @@ std::optional<at::Tensor> wide_or_none(const at::Tensor& x, const std::optional<
 namespace igserve {
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8,
-                     const std::optional<at::Tensor>& wide) {
+                     const std::optional<at::Tensor>& wide, const std::optional<at::Tensor>& tiles_) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2;
   check_x(x, K);
   if (auto y = wide_or_none(x, wide, N, K)) return *y;
@@ -529,22 +550,23 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const Q4 w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(dm.data_ptr<int32_t>()), K / GROUP};
   const int64_t R = x.size(0);
   float* yp = y.data_ptr<float>();
-  // int4bf16's few rows: bf16 dot products where the CPU has them (several rows: whole 4-channel tiles)
-  if (!q8 && R <= EXPAND_ROWS && (R == 1 || N % 4 == 0) && wide && wide->defined() && w.G % 2 == 0 &&
-      has_bf16_dot()) {
-    std::vector<Bf16Row> xb;
-    for (int64_t r = 0; r < R; ++r) xb.push_back(bf16_row(x.data_ptr<float>() + r * K, K));
-    if (R == 1) {
-      one_row(N, [&](auto nc, int64_t n) { tile_q4_row_bf16<decltype(nc)::value, 1>(w, xb.data(), n, yp, N); });
-    } else {
-      at::parallel_for(0, N / 4, 4, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin * 4; n < end * 4; n += 4) {
-          if (R == 2) tile_q4_row_bf16<4, 2>(w, xb.data(), n, yp, N);
-          else if (R == 3) tile_q4_row_bf16<4, 3>(w, xb.data(), n, yp, N);
-          else tile_q4_row_bf16<4, 4>(w, xb.data(), n, yp, N);
-        }
-      });
-    }
+  const uint8_t* tp = nullptr;  // the tiles, where given
+  if (tiles_ && tiles_->defined()) {
+    TORCH_CHECK(tiles_->scalar_type() == at::kByte && tiles_->is_contiguous() && N % TILE_CH == 0 &&
+                    tiles_->numel() == N / TILE_CH * w.G * TILE_BYTES,
+                "tiles must be contiguous uint8 [N/16, K/32, 320]");
+    tp = tiles_->data_ptr<uint8_t>();
+  }
+  const bool tiles = tp != nullptr;
+  // int4bf16's few rows: bf16 dot products on the tiles where the CPU has them
+  if (!q8 && R <= EXPAND_ROWS && tiles && has_bf16_dot()) {
+    const Bf16Rows xb = bf16_rows(x.data_ptr<float>(), R, K);
+    at::parallel_for(0, N / TILE_CH, 2, [&](int64_t b, int64_t e) {
+      if (R == 1) q4_tile_bf16<1>(tp, xb, b, e, yp, N);
+      else if (R == 2) q4_tile_bf16<2>(tp, xb, b, e, yp, N);
+      else if (R == 3) q4_tile_bf16<3>(tp, xb, b, e, yp, N);
+      else q4_tile_bf16<4>(tp, xb, b, e, yp, N);
+    });
   } else if (!q8 && R == 1) {
     const float* xp = x.data_ptr<float>();
     std::vector<float> xsum(K / GROUP);
@@ -558,10 +580,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
     one_row(N, [&](auto nc, int64_t n) { tile_q4_row<decltype(nc)::value>(wr, xp, n, yp); });
   } else if (!q8) {
     run(w, x.data_ptr<float>(), R, K, yp, N);
-  } else if (R == 1 && wide && wide->defined() && wide->scalar_type() == at::kByte && has_vnni()) {
-    TORCH_CHECK(N % TILE_CH == 0 && wide->numel() == N / TILE_CH * w.G * TILE_BYTES, "tiles must be [N/16, K/32, 320] uint8");
+  } else if (R == 1 && tiles && has_vnni()) {
     const Q8Rows xq = q8_rows(x.data_ptr<float>(), 1, K, false);
-    const uint8_t* tp = wide->data_ptr<uint8_t>();
     at::parallel_for(0, N / TILE_CH, 4, [&](int64_t b, int64_t e) { q8_tile_row(tp, xq, b, e, yp); });
   } else if (R == 1) {
     const Q8Rows xq = q8_rows(x.data_ptr<float>(), 1, K, false);
@@ -598,7 +618,7 @@ bool row_bf16() { return has_bf16_dot(); }
 bool q8_tiles() { return has_vnni(); }
 
 TORCH_LIBRARY(igserve, lib) {
-  lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm, bool q8=False, Tensor? wide=None) -> Tensor");
+  lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm, bool q8=False, Tensor? wide=None, Tensor? tiles=None) -> Tensor");
   lib.def("wide_rows() -> int", wide_rows);
   lib.def("row_bf16() -> bool", row_bf16);
   lib.def("q8_tiles() -> bool", q8_tiles);

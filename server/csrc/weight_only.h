@@ -5,9 +5,11 @@
 namespace igserve {
 // x [R, K] float32 @ W^T for Q4_1 W (qs [N, K/2] nibbles, dm [N, K/32] fp16 d|m) -> [R, N];
 // q8: x rounded to int8 per group of 32 first; wide: int4bf16's bf16 weight [N, K], used from wide_rows()
-// rows, or (uint8) int4q8's VNNI tiles [N/16, K/32, 320], used for one row (weight_only.cpp)
+// rows; tiles: the same groups in 16-channel tiles (uint8 [N/16, K/32, 320]), used for one row of q8
+// (AVX-512 VNNI) and up to 4 rows of int4bf16 (AVX-512 BF16) (weight_only.cpp)
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8 = false,
-                     const std::optional<at::Tensor>& wide = std::nullopt);
+                     const std::optional<at::Tensor>& wide = std::nullopt,
+                     const std::optional<at::Tensor>& tiles = std::nullopt);
 // x [R, K] float32 @ (q * scales[:, None])^T, q int8 [N, K] -> [R, N]; wide: as for q4_linear
 at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                      const std::optional<at::Tensor>& wide = std::nullopt);
