@@ -34,8 +34,9 @@ namespace {
 
 constexpr int64_t GROUP = 32;
 // bytes ahead in a channel's weights that one-row tiles prefetch: eight channels read side by side
-// outrun the hardware prefetcher (README, "Benchmarks")
-constexpr int64_t PF = 128;
+// outrun the hardware prefetcher (README, "Benchmarks"); and, as a channel is only K bytes or less,
+// the same place AHEAD channels on (the next one-row tile's), so the next tile does not start cold
+constexpr int64_t PF = 128, AHEAD = 8;
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -54,7 +55,12 @@ struct Q4 {
   struct Channel {
     const uint8_t* q;
     const uint32_t* dm;
-    inline void prefetch(int64_t g) const { _mm_prefetch(reinterpret_cast<const char*>(q + g * 16 + PF), _MM_HINT_T0); }
+    int64_t ahead;  // groups to the same place in the channel AHEAD rows on
+    inline void prefetch(int64_t g) const {
+      _mm_prefetch(reinterpret_cast<const char*>(q + g * 16 + PF), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + (g + ahead) * 16), _MM_HINT_T0);
+      if (g % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(dm + g + ahead), _MM_HINT_T0);
+    }
     // the nibbles of group g as float32, in the order expand() produces them
     inline void nibbles(int64_t g, __m256 w[4]) const {
       const __m256i low = _mm256_set1_epi32(15);
@@ -71,7 +77,7 @@ struct Q4 {
       for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(w[i], vd), vm);
     }
   };
-  inline Channel channel(int64_t n) const { return {q + n * G * 16, dm + n * G}; }
+  inline Channel channel(int64_t n) const { return {q + n * G * 16, dm + n * G, AHEAD * G}; }
   inline float scale(int64_t) const { return 1.0f; }
 };
 
@@ -82,14 +88,18 @@ struct I8 {
   int64_t K;
   struct Channel {
     const int8_t* q;
-    inline void prefetch(int64_t g) const { _mm_prefetch(reinterpret_cast<const char*>(q + g * GROUP + PF), _MM_HINT_T0); }
+    int64_t ahead;  // bytes to the same place in the channel AHEAD rows on
+    inline void prefetch(int64_t g) const {
+      _mm_prefetch(reinterpret_cast<const char*>(q + g * GROUP + PF), _MM_HINT_T0);
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(q + g * GROUP + ahead), _MM_HINT_T0);
+    }
     inline void expand(int64_t g, __m256 w[4]) const {
       for (int i = 0; i < 4; ++i)
         w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + g * GROUP + 8 * i))));
     }
   };
-  inline Channel channel(int64_t n) const { return {q + n * K}; }
+  inline Channel channel(int64_t n) const { return {q + n * K, AHEAD * K}; }
   inline float scale(int64_t n) const { return s[n]; }
 };
 
