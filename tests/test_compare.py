@@ -72,3 +72,16 @@ def test_batch1_decode_is_set_beside_llama_bench_at_the_same_format():
     assert compare.batch1_decode(60.0, "fp32", bench) is None
     assert compare.batch1_decode(60.0, "int8", bench) is None
     assert compare.batch1_decode(None, "int4", bench) is None
+
+
+def test_acceptance_reports_ig_over_dense_at_the_most_clients():
+    """igserve's runs carry its weight format as their format; IG/dense is found by mode."""
+    run = lambda server, fmt, mode, c, tok: {"server": server, "format": fmt, "mode": mode, "clients": c,
+                                             "output_tok_s": tok, "ttft_ms_p50": 30.0}
+    runs = [run("llama-server", "Q4_1", "plain", c, 100.0) for c in (1, 16)]
+    runs += [run("igserve", "int4bf16", m, c, t) for m, c, t in
+             (("ig", 1, 110.0), ("dense", 1, 100.0), ("ig", 16, 160.0), ("dense", 16, 200.0))]
+    got = compare.acceptance(runs, [1, 16])
+    assert got["ig_over_dense_max_clients"] == 0.8
+    assert got["ig_over_best_llama_x1"] == {"ratio": 1.1, "llama_best_format": "Q4_1", "ok": True}
+    assert got["ig_over_best_llama_x16"]["ok"] is True and got["ttft_p50_x1"]["ok"] is True
