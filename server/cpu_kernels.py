@@ -6,8 +6,8 @@ row, so on a CPU without native bf16 arithmetic each linear paid two casts and a
 nearly its row count times one row. These kernels expand each weight group once per call and
 use it for every row, in float32: the result is the Q4_1 dequantisation to float32 rounding.
 With ``q8`` (format int4q8) the activations are rounded to int8 first and one row runs integer
-dot products, as llama.cpp does. One row of int4q8 on AVX-512 VNNI (``q8_tiles``) and up to 4 rows
-of int4bf16 on AVX-512 BF16 (``row_bf16``) run on a copy of the groups in 16-channel tiles
+dot products, as llama.cpp does. One row of int4q8 on AVX-512 VNNI (``q8_tiles``) and a few rows
+of int4bf16 on AVX-512 BF16 (``row_bf16``, ``tile_rows``) run on a copy of the groups in 16-channel tiles
 (``pack_q4_tiles``), chosen at run time: the build itself needs AVX2 only.
 Built on first use with torch's extension builder (cached under ``$IGSERVE_CACHE/kernels``;
 the time is logged); where the CPU lacks the instructions, no compiler is found or the
@@ -104,7 +104,7 @@ def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = F
     rounded to int8 per group of 32 first (``round_q8``); ``wide``: W in bfloat16 [N, K], which
     calls of ``wide_rows()`` rows and more multiply in bfloat16 instead; ``tiles``: the groups
     as ``pack_q4_tiles`` lays them out, for one row of ``q8`` where ``q8_tiles()`` and, without
-    ``q8``, for up to 4 rows in bf16 dot products (x rounded to bf16) where ``row_bf16()``."""
+    ``q8``, for up to ``tile_rows()`` rows in bf16 dot products (x rounded to bf16) where ``row_bf16()``."""
     return torch.ops.igserve.q4_linear(x2, qs, dm, q8, wide, tiles)
 
 
@@ -115,9 +115,16 @@ def wide_rows() -> int:
 
 
 @functools.cache
+def tile_rows() -> int:
+    """Rows up to which an int4bf16 linear runs its tiles in bf16 dot products where ``row_bf16()``
+    (9 with AMX, past ``wide_rows()``; else 4; weight_only.cpp)."""
+    return torch.ops.igserve.tile_rows()
+
+
+@functools.cache
 def row_bf16() -> bool:
-    """Whether this CPU runs calls of up to 4 rows of an int4bf16 linear in bfloat16 dot products
-    on its tiles (AVX-512 BF16): x rounded to bf16, as its many-row calls round it."""
+    """Whether this CPU runs calls of a few rows (``tile_rows()``) of an int4bf16 linear in bfloat16
+    dot products on its tiles (AVX-512 BF16): x rounded to bf16, as its many-row calls round it."""
     return torch.ops.igserve.row_bf16()
 
 

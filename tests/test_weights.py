@@ -157,11 +157,13 @@ def test_int8_matches_its_dequantised_weight():
 
 
 @native
-def test_int4bf16_switches_to_onednn_at_5_rows_with_amx_else_at_14():
+def test_int4bf16_switches_to_onednn_at_5_rows_with_amx_else_at_14_and_tiles_run_9_or_4():
     """The kernels' own CPU check agrees with the CPU's flags (unless IGSERVE_WIDE_ROWS overrides it)."""
-    if os.environ.get("IGSERVE_WIDE_ROWS"):
-        pytest.skip("IGSERVE_WIDE_ROWS is set")
-    assert cpu_kernels.wide_rows() == (5 if "amx_bf16" in weights.cpu_flags() else 14)
+    if os.environ.get("IGSERVE_WIDE_ROWS") or os.environ.get("IGSERVE_TILE_ROWS"):
+        pytest.skip("IGSERVE_WIDE_ROWS or IGSERVE_TILE_ROWS is set")
+    amx = "amx_bf16" in weights.cpu_flags()
+    assert cpu_kernels.wide_rows() == (5 if amx else 14)
+    assert cpu_kernels.tile_rows() == (9 if amx else 4)  # int4bf16's tiles, ahead of oneDNN up to 9 rows with AMX
 
 
 @native
@@ -169,7 +171,7 @@ def test_int4bf16_switches_to_onednn_at_5_rows_with_amx_else_at_14():
 @pytest.mark.parametrize("offset", [-13, -1, 0, 1, 19])
 def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
     """int4bf16 (its int4 linears and int8 lm_head): below ``wide_rows()`` rows the float32
-    kernel's exact bits (but for int4's few rows on AVX-512 BF16), from there torch's bf16 matmul of the bf16-rounded dequantised weight
+    kernel's exact bits (but for int4's ``tile_rows()`` on AVX-512 BF16, next test), from there torch's bf16 matmul of the bf16-rounded dequantised weight
     (within bf16 rounding of the exact product)."""
     rows = max(1, cpu_kernels.wide_rows() + offset)  # -13: one row (14 rows without AMX, 5 with)
     w = _weight(n=80, k=96, seed=rows)
@@ -183,8 +185,8 @@ def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
     assert exact.wide is None and wide.wide.dtype == torch.bfloat16
     assert cost.module_bytes(wide) == cost.module_bytes(exact)  # a one-row step reads the int4 groups only
     x = torch.randn(rows, 96)
-    few_bf16 = kind == "int4" and cpu_kernels.row_bf16() and rows <= 4  # the tiles' bf16 kernel (next test)
-    if offset < 0 and few_bf16:
+    few_bf16 = kind == "int4" and cpu_kernels.row_bf16() and rows <= cpu_kernels.tile_rows()  # (next test)
+    if few_bf16:
         torch.testing.assert_close(wide(x), exact(x), rtol=2e-2, atol=5e-2)
     elif offset < 0:
         assert torch.equal(wide(x), exact(x))
@@ -198,14 +200,14 @@ def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
 
 
 @native
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 10])
 @pytest.mark.parametrize("k", [96, 576, 1536])
 def test_few_int4bf16_rows_multiply_in_bfloat16_where_the_cpu_does(k, rows):
-    """Up to 4 rows of an int4bf16 linear: on AVX-512 BF16, bf16 dot products on 16-channel tiles,
-    the product of the bf16-rounded x with the exact Q4_1 weights to float32 rounding, which is not
-    the float32 kernel's; a row's result does not depend on the rows beside it. Elsewhere (5 rows,
-    or no bf16 dot products) the float32 kernel's bits, unless 5 rows already run oneDNN's bf16
-    matmul (``wide_rows()``, AMX)."""
+    """Up to ``tile_rows()`` rows of an int4bf16 linear (4; 9 with AMX): on AVX-512 BF16, bf16 dot
+    products on 16-channel tiles, the product of the bf16-rounded x with the exact Q4_1 weights to
+    float32 rounding, which is not the float32 kernel's; a row's result does not depend on the rows
+    beside it (passes of 4 rows and the rest). More rows, or no bf16 dot products: the float32
+    kernel's bits, or oneDNN's bf16 matmul from ``wide_rows()``."""
     w = _weight(n=80, k=k, seed=k)
     g = weights.quantize_q4_1(w)
     exact = weights.Int4Linear(g, None, torch.float32, native=True)
@@ -213,7 +215,7 @@ def test_few_int4bf16_rows_multiply_in_bfloat16_where_the_cpu_does(k, rows):
     assert exact._tiles is None
     x = torch.randn(rows, k) * 3
     x[:, 3] += 40  # a large group sum: the offset the kernel takes off must not cost precision
-    if cpu_kernels.row_bf16() and rows <= 4:
+    if cpu_kernels.row_bf16() and rows <= cpu_kernels.tile_rows():
         assert wide._tiles.shape == (5, k // 32, 320)
         ref = (x.bfloat16().double() @ exact.dequantized().double().T).float()
         torch.testing.assert_close(wide(x), ref, rtol=1e-5, atol=1e-5)

@@ -312,7 +312,8 @@ IGSERVE_BF16 Bf16Rows bf16_rows(const float* x, int64_t R, int64_t K) {
 }
 
 template <int RB>
-IGSERVE_BF16 void q4_tile_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t t0, int64_t t1, float* y, int64_t N) {
+IGSERVE_BF16 void q4_tile_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t r0, int64_t t0, int64_t t1, float* y,
+                               int64_t N) {
   const __m512i one = _mm512_set1_epi16(0x3F80), bits = _mm512_set1_epi16(0x78);
   const __m512i lo8 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i hi8 = _mm512_add_epi32(lo8, _mm512_set1_epi32(8));
@@ -338,7 +339,7 @@ IGSERVE_BF16 void q4_tile_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t 
         const __m512bh w1h = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 1), bits, one, 0xEA);
 #pragma GCC unroll 4
         for (int r = 0; r < RB; ++r) {
-          const uint16_t* xg = x.x.data() + r * x.K + g * GROUP + 4 * j;
+          const uint16_t* xg = x.x.data() + (r0 + r) * x.K + g * GROUP + 4 * j;
           const __m512bh xl = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg));
           const __m512bh xh = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg + 16));
           s0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(s0[r], w0l, xl), w0h, xh);
@@ -349,7 +350,7 @@ IGSERVE_BF16 void q4_tile_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t 
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
       const __m512 dl = _mm512_permutexvar_ps(lo8, d16), dh = _mm512_permutexvar_ps(hi8, d16);
       for (int r = 0; r < RB; ++r) {
-        const float* xs = x.s.data() + 2 * (r * x.G + g);
+        const float* xs = x.s.data() + 2 * ((r0 + r) * x.G + g);
         const __m512 off = _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(xs)));  // [s0, s1] x 8
         a0[r] = _mm512_fmadd_ps(_mm512_sub_ps(s0[r], off), dl, a0[r]);
         a1[r] = _mm512_fmadd_ps(_mm512_sub_ps(s1[r], off), dh, a1[r]);
@@ -358,9 +359,22 @@ IGSERVE_BF16 void q4_tile_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t 
     }
     for (int r = 0; r < RB; ++r) {
       const __m512 dot = _mm512_add_ps(_mm512_permutex2var_ps(a0[r], even, a1[r]), _mm512_permutex2var_ps(a0[r], odd, a1[r]));
-      _mm512_storeu_ps(y + r * N + t * TILE_CH, _mm512_add_ps(dot, a2[r]));
+      _mm512_storeu_ps(y + (r0 + r) * N + t * TILE_CH, _mm512_add_ps(dot, a2[r]));
     }
   }
+}
+
+// All R rows against tiles [t0, t1): per tile, the rows in passes of up to 4 (the tile stays in L1).
+IGSERVE_BF16 void q4_tiles_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t R, int64_t t0, int64_t t1, float* y,
+                                int64_t N) {
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t n = std::min<int64_t>(4, R - r0);
+      if (n == 4) q4_tile_bf16<4>(tiles, x, r0, t, t + 1, y, N);
+      else if (n == 3) q4_tile_bf16<3>(tiles, x, r0, t, t + 1, y, N);
+      else if (n == 2) q4_tile_bf16<2>(tiles, x, r0, t, t + 1, y, N);
+      else q4_tile_bf16<1>(tiles, x, r0, t, t + 1, y, N);
+    }
 }
 
 // One row against NC Q4_1 channels with integer dot products:
@@ -399,6 +413,19 @@ constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run
 // kernels between the few-row bf16 path and it (README, "Weight formats").
 // IGSERVE_WIDE_ROWS overrides the choice, to measure it.
 constexpr int64_t WIDE_ROWS = 14, WIDE_ROWS_AMX = EXPAND_ROWS + 1;
+// Up to tile_rows() rows an int4bf16 linear runs its tiles in bf16 dot products (above that, the
+// float32 kernels or oneDNN). With AMX that reaches past wide_from(): the tiles, read once for all
+// rows, beat oneDNN's matmul up to about 9 rows (bench/results/kernels_amx.json); elsewhere 4, as
+// measured with the earlier per-channel bf16 kernel (README, "Weight formats").
+// IGSERVE_TILE_ROWS overrides it, to measure it.
+constexpr int64_t TILE_ROWS_AMX = 9;
+int64_t tile_rows() {
+  static const int64_t rows = [] {
+    if (const char* env = std::getenv("IGSERVE_TILE_ROWS")) return std::max<int64_t>(0, std::atoll(env));
+    return __builtin_cpu_supports("amx-bf16") ? TILE_ROWS_AMX : EXPAND_ROWS;
+  }();
+  return rows;
+}
 int64_t wide_from() {
   static const int64_t rows = [] {
     if (const char* env = std::getenv("IGSERVE_WIDE_ROWS")) return std::max<int64_t>(1, std::atoll(env));
@@ -552,7 +579,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                      const std::optional<at::Tensor>& wide, const std::optional<at::Tensor>& tiles_) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2;
   check_x(x, K);
-  if (auto y = wide_or_none(x, wide, N, K)) return *y;
+  const bool bf16_tiles = !q8 && tiles_ && tiles_->defined() && x.size(0) <= tile_rows() && has_bf16_dot();
+  if (!bf16_tiles)
+    if (auto y = wide_or_none(x, wide, N, K)) return *y;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs must be contiguous uint8 [N, K/2]");
   TORCH_CHECK(dm.scalar_type() == at::kInt && dm.is_contiguous() && dm.numel() == N * (K / GROUP),
               "dm must be contiguous int32 [N, K/32] (fp16 d, m pairs)");
@@ -569,14 +598,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   }
   const bool tiles = tp != nullptr;
   // int4bf16's few rows: bf16 dot products on the tiles where the CPU has them
-  if (!q8 && R <= EXPAND_ROWS && tiles && has_bf16_dot()) {
+  if (bf16_tiles) {
     const Bf16Rows xb = bf16_rows(x.data_ptr<float>(), R, K);
-    at::parallel_for(0, N / TILE_CH, 2, [&](int64_t b, int64_t e) {
-      if (R == 1) q4_tile_bf16<1>(tp, xb, b, e, yp, N);
-      else if (R == 2) q4_tile_bf16<2>(tp, xb, b, e, yp, N);
-      else if (R == 3) q4_tile_bf16<3>(tp, xb, b, e, yp, N);
-      else q4_tile_bf16<4>(tp, xb, b, e, yp, N);
-    });
+    at::parallel_for(0, N / TILE_CH, 2, [&](int64_t b, int64_t e) { q4_tiles_bf16(tp, xb, R, b, e, yp, N); });
   } else if (!q8 && R == 1) {
     const float* xp = x.data_ptr<float>();
     std::vector<float> xsum(K / GROUP);
@@ -624,12 +648,14 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 }  // namespace igserve
 
 int64_t wide_rows() { return wide_from(); }
+int64_t bf16_tile_rows() { return tile_rows(); }
 bool row_bf16() { return has_bf16_dot(); }
 bool q8_tiles() { return has_vnni(); }
 
 TORCH_LIBRARY(igserve, lib) {
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm, bool q8=False, Tensor? wide=None, Tensor? tiles=None) -> Tensor");
   lib.def("wide_rows() -> int", wide_rows);
+  lib.def("tile_rows() -> int", bf16_tile_rows);
   lib.def("row_bf16() -> bool", row_bf16);
   lib.def("q8_tiles() -> bool", q8_tiles);
   lib.def("i8_linear(Tensor x, Tensor q, Tensor scales, Tensor? wide=None) -> Tensor");
