@@ -142,6 +142,7 @@ def run(args) -> int:
         "auto_weights": wf.auto_format(),
         "kernels": {fmt: wf.kernels(lm.model) for fmt, lm in lms.items()},
         "int4bf16_wide_rows": cpu_kernels.wide_rows() if cpu_kernels.available() else None,
+        "int4bf16_tile_rows": cpu_kernels.tile_rows() if cpu_kernels.available() else None,
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

@@ -15,8 +15,8 @@
 // AVX-512 VNNI a single row runs q8_tile_row instead, over the same groups laid out in 16-channel tiles.
 //
 // int4bf16 (a linear that carries a bf16 copy, `wide`): from wide_rows() rows oneDNN's bf16 matmul;
-// up to EXPAND_ROWS rows, on a CPU with AVX-512 BF16 (checked at run time), bf16 dot products on
-// the same 16-channel tiles (q4_tile_bf16).
+// up to tile_rows() rows, on a CPU with AVX-512 BF16 (checked at run time), bf16 dot products on
+// the same 16-channel tiles (q4_tile_bf16) first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
