@@ -183,9 +183,9 @@ class Int4Linear(_WeightOnlyLinear):
             self.register_buffer("bias", None if bias is None else bias.detach().float())
             # the same groups as 16-channel tiles, for int4q8's one row on AVX-512 VNNI and int4bf16's
             # few rows on AVX-512 BF16 (an attribute, not a buffer: a one-row step reads them instead
-            # of qs and dm, as many bytes)
+            # of qs and dm, as many bytes); made on first use, as ``wide``
             tiled = cpu_kernels.q8_tiles() if self.q8 else wide and cpu_kernels.row_bf16()
-            self._tiles = cpu_kernels.pack_q4_tiles(groups.q, groups.d, groups.m) if tiled else None
+            self._tiles = True if tiled else None
             return
         self.register_buffer("packed", _torch_int4_pack(groups.q, device))
         zero = groups.m + 8 * groups.d
@@ -197,12 +197,23 @@ class Int4Linear(_WeightOnlyLinear):
     def kernel_dtype(self) -> torch.dtype:
         return torch.float32 if self.native else self.scales_zeros.dtype
 
+    @property
+    def tiles(self) -> torch.Tensor | None:
+        """The groups as ``cpu_kernels.pack_q4_tiles`` lays them out, where this linear's kernel reads
+        them (else None), made on first use: the parts of a fused linear never hold a copy."""
+        tiles = getattr(self, "_tiles", None)
+        if tiles is True:
+            from server import cpu_kernels
+
+            d, m = cpu_kernels.unpack_dm(self.dm)
+            tiles = self._tiles = cpu_kernels.pack_q4_tiles(cpu_kernels.unpack_q4(self.qs), d, m)
+        return tiles
+
     def _matmul(self, x2):
         if self.native:
             from server import cpu_kernels
 
-            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8, self._wide_for(x2),
-                                         getattr(self, "_tiles", None))
+            return cpu_kernels.q4_linear(x2.contiguous(), self.qs, self.dm, self.q8, self._wide_for(x2), self.tiles)
         if self.cuda_kernel:
             return torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
@@ -340,8 +351,8 @@ def _stacked(cls, parts, dims: dict[str, int]):
         out.register_buffer(name, None if bufs[0] is None else torch.cat(bufs, dim))
     out.out_features = sum(p.out_features for p in parts)
     out._wide = None if getattr(parts[0], "_wide", None) is None else True  # its own bf16 copy, made on first use
-    if getattr(parts[0], "_tiles", None) is not None:  # tiles stack along N as the groups do
-        out._tiles = torch.cat([p._tiles for p in parts])
+    if getattr(parts[0], "_tiles", None) is not None:  # its own tiles, made on first use
+        out._tiles = True
     return out
 
 
@@ -420,7 +431,7 @@ def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.T
     if isinstance(linear, torch.nn.Linear) and linear.weight.dtype == torch.float32:
         return [linear.weight.detach()], None if linear.bias is None else linear.bias.detach()
     if isinstance(linear, Int4Linear) and linear.native:
-        extra = [t for t in (linear.wide, getattr(linear, "_tiles", None)) if t is not None]
+        extra = [t for t in (linear.wide, linear.tiles) if t is not None]
         return [linear.qs, linear.dm] + extra, linear.bias
     if isinstance(linear, Int8Linear) and linear.native:
         return [linear.weight, linear.scales] + ([] if linear.wide is None else [linear.wide]), linear.bias

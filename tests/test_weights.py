@@ -98,7 +98,7 @@ def test_int4q8_one_row_on_vnni_tiles_is_the_rounded_product(k):
         pytest.skip("no AVX-512 VNNI here")
     g = weights.quantize_q4_1(_weight(n=80, k=k, seed=k))
     lin = weights.Int4Linear(g, None, torch.float32, native=True, q8=True)
-    assert lin._tiles is not None and lin._tiles.shape == (5, k // 32, 320)
+    assert lin._tiles is True and lin.tiles.shape == (5, k // 32, 320)  # made on first use
     assert cost.module_bytes(lin) == cost.module_bytes(weights.Int4Linear(g, None, torch.float32, native=True))
     x = torch.randn(1, k)
     x[0, 7] *= 30
@@ -212,11 +212,11 @@ def test_few_int4bf16_rows_multiply_in_bfloat16_where_the_cpu_does(k, rows):
     g = weights.quantize_q4_1(w)
     exact = weights.Int4Linear(g, None, torch.float32, native=True)
     wide = weights.Int4Linear(g, None, torch.float32, native=True, wide=True)
-    assert exact._tiles is None
+    assert exact.tiles is None
     x = torch.randn(rows, k) * 3
     x[:, 3] += 40  # a large group sum: the offset the kernel takes off must not cost precision
     if cpu_kernels.row_bf16() and rows <= cpu_kernels.tile_rows():
-        assert wide._tiles.shape == (5, k // 32, 320)
+        assert wide.tiles.shape == (5, k // 32, 320)
         ref = (x.bfloat16().double() @ exact.dequantized().double().T).float()
         torch.testing.assert_close(wide(x), ref, rtol=1e-5, atol=1e-5)
         assert not torch.equal(wide(x), exact(x))
