@@ -241,11 +241,14 @@ Q8Rows q8_rows(const float* x, int64_t R, int64_t K, bool rounded) {
 // position 4j + i of q8_row's order in its low nibble and at 4j + i + 16 in its high one), then the
 // 16 channels' fp16 d, then their fp16 m.
 constexpr int64_t TILE_CH = 16, TILE_BYTES = 256 + 64;
-// bytes ahead that the tile kernels prefetch: one core's sequential stream from DRAM runs well
-// below its bandwidth on the hardware prefetcher alone (README, "Benchmarks")
-constexpr int64_t TILE_PF = 2048;
+// bytes ahead that the tile kernels prefetch into L1, and into L2 further on: one core's sequential
+// stream from DRAM runs well below its bandwidth on the hardware prefetcher alone (README, "Weight formats")
+constexpr int64_t TILE_PF = 2048, TILE_PF_L2 = 16384;
 inline void prefetch_tile_group(const uint8_t* p) {
-  for (int64_t l = 0; l < TILE_BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF + l), _MM_HINT_T0);
+  for (int64_t l = 0; l < TILE_BYTES; l += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF + l), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF_L2 + l), _MM_HINT_T1);
+  }
 }
 #define IGSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
