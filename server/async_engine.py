@@ -188,7 +188,7 @@ class AsyncEngine:
     def _loop_steps(self) -> None:
         engine = self.engine
         engine.warm_up()
-        blocks = engine.blocks_executed.clone()
+        blocks = list(engine.blocks_executed)
         while True:
             self._drain_inbox()
             self._count()
@@ -205,8 +205,8 @@ class AsyncEngine:
                 self._fail(list(engine.running) + list(engine.waiting), exc)
                 continue
             if self.metrics is not None:
-                self.metrics.step(outputs, engine.blocks_executed - blocks, time.monotonic())
-            blocks = engine.blocks_executed.clone()
+                self.metrics.step(outputs, [a - b for a, b in zip(engine.blocks_executed, blocks)], time.monotonic())
+            blocks = list(engine.blocks_executed)
             self._count()
             if outputs:
                 self._loop.call_soon_threadsafe(

@@ -74,7 +74,7 @@ class LLMEngine:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
-        self.blocks_executed = torch.zeros(2, dtype=torch.long)  # attn, ffn (token-blocks)
+        self.blocks_executed = [0, 0]  # attn, ffn (token-blocks)
         # the tokens every chat prompt starts with (the template's system turn): warmed per mask
         self.shared_prefix = shared_prefix if prefix_cache else None
         # their K/V per mask (bits) once computed, copied into the slot of a request whose own slot
@@ -270,7 +270,7 @@ class LLMEngine:
                 return [self._fail(reqs[0], RequestFailed(f"forward failed: {exc}"))]
             log.warning("batched forward of %d rows failed (%s); retrying row by row", len(rows), exc)
             return [out for i in range(len(rows)) for out in self._execute(rows[i:i + 1], tokens[i:i + 1])]
-        self._count_blocks(masks, [c.length for c in rows])
+        self._count_blocks(reqs, [c.length for c in rows])
         outputs = []
         for i, position_logits in zip(scored, every if scored else []):
             try:
@@ -296,7 +296,8 @@ class LLMEngine:
         batch = [(r, i) for r, i in batch if not r.finished]
         if not batch:
             return outputs
-        return outputs + self._postprocess([r for r, _ in batch], logits[[i for _, i in batch]])
+        index = [i for _, i in batch]
+        return outputs + self._postprocess([r for r, _ in batch], logits if index == list(range(len(logits))) else logits[index])
 
     def _share_prefill(self, leader: Request, outputs: list[StepOutput]) -> list[Request]:
         """The other choices of leader's prompt (n > 1), now that its prefill is done: as many as
@@ -342,7 +343,8 @@ class LLMEngine:
             req.prompt_tops += [[] for _ in targets]
 
     def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[StepOutput]:
-        finite = torch.isfinite(logits).all(-1).tolist()
+        # one reduction; the elementwise pass only when the sum is not finite (a bad row, or overflow)
+        finite = [True] * len(batch) if bool(torch.isfinite(logits.sum())) else torch.isfinite(logits).all(-1).tolist()
         outputs = [self._fail(r, RequestFailed("the model produced non-finite logits"))
                    for r, ok in zip(batch, finite) if not ok]
         keep = [i for i, ok in enumerate(finite) if ok]
@@ -404,9 +406,14 @@ class LLMEngine:
         self.scheduler.remove(req)
         return StepOutput(req, [], "", True)
 
-    def _count_blocks(self, masks: torch.Tensor, tokens: list[int]) -> None:
-        per_row = masks.view(len(tokens), -1, 2).sum(1).cpu()  # [n, (attn, ffn)]
-        self.blocks_executed += (per_row * torch.tensor(tokens)[:, None]).sum(0)
+    def _count_blocks(self, reqs: list[Request], tokens: list[int]) -> None:
+        for req, n in zip(reqs, tokens):
+            mask, kept = req.kept_blocks or (None, None)
+            if mask is not req.mask:  # once per mask a request runs under: no tensor ops per step
+                kept = req.mask.view(-1, 2).sum(0).tolist()
+                req.kept_blocks = (req.mask, kept)
+            self.blocks_executed[0] += kept[0] * n
+            self.blocks_executed[1] += kept[1] * n
 
     # ------------------------------------------------------------------ offline convenience
     def generate(self, requests: list[Request]) -> list[Request]:

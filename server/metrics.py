@@ -7,7 +7,6 @@ finish reasons and error types from fixed sets, never from the client.
 
 from __future__ import annotations
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from server.engine import Request, StepOutput
@@ -135,9 +134,9 @@ class ServingMetrics:
         """The request entered the engine's waiting queue."""
         self._queued[req.request_id] = now
 
-    def step(self, outputs: list[StepOutput], blocks: torch.Tensor, now: float) -> None:
+    def step(self, outputs: list[StepOutput], blocks: list[int], now: float) -> None:
         """One engine step: its outputs and the block executions it added [attn, ffn]."""
-        for counter, n in zip(self.blocks, blocks.tolist()):
+        for counter, n in zip(self.blocks, blocks):
             if n:
                 counter.inc(n)
         for out in outputs:

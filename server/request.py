@@ -50,6 +50,7 @@ class Request:
     scheduled_time: float | None = None
     sampling: RowState | None = None  # penalties' token counts, seeded generator, grammar
     detokenizer: Detokenizer | None = None
+    kept_blocks: tuple | None = None  # (mask, [attention, FFN] blocks it keeps): the engine's block count
     # per output token when params.logprobs is set; per prompt token (the first None) when scored
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -270,6 +270,8 @@ class BlockRunner:
         """Append each row's chunk to its cache slot, whose first ``start`` positions are already
         filled; logits of each chunk's last token [B, V]. Prefill and decode are both this call."""
         h = self.extend_hidden(chunks, starts, masks, slots)
+        if all(len(c) == h.shape[1] for c in chunks):  # every row ends at the last position (decode)
+            return self.lm_head(h[:, -1])
         lengths = torch.tensor([len(c) for c in chunks], device=self.device)
         return self.lm_head(h[torch.arange(len(chunks), device=self.device), lengths - 1])
 
