@@ -205,7 +205,8 @@ class AsyncEngine:
                 self._fail(list(engine.running) + list(engine.waiting), exc)
                 continue
             if self.metrics is not None:
-                self.metrics.step(outputs, [a - b for a, b in zip(engine.blocks_executed, blocks)], time.monotonic())
+                added = [a - b for a, b in zip(engine.blocks_executed, blocks)]
+                self.metrics.step(outputs, added, time.monotonic())
             blocks = list(engine.blocks_executed)
             self._count()
             if outputs:

@@ -297,7 +297,8 @@ class LLMEngine:
         if not batch:
             return outputs
         index = [i for _, i in batch]
-        return outputs + self._postprocess([r for r, _ in batch], logits if index == list(range(len(logits))) else logits[index])
+        rows = logits if index == list(range(len(logits))) else logits[index]
+        return outputs + self._postprocess([r for r, _ in batch], rows)
 
     def _share_prefill(self, leader: Request, outputs: list[StepOutput]) -> list[Request]:
         """The other choices of leader's prompt (n > 1), now that its prefill is done: as many as
@@ -344,7 +345,8 @@ class LLMEngine:
 
     def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         # one reduction; the elementwise pass only when the sum is not finite (a bad row, or overflow)
-        finite = [True] * len(batch) if bool(torch.isfinite(logits.sum())) else torch.isfinite(logits).all(-1).tolist()
+        finite = ([True] * len(batch) if bool(torch.isfinite(logits.sum()))
+                  else torch.isfinite(logits).all(-1).tolist())
         outputs = [self._fail(r, RequestFailed("the model produced non-finite logits"))
                    for r, ok in zip(batch, finite) if not ok]
         keep = [i for i, ok in enumerate(finite) if ok]
