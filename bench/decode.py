@@ -107,13 +107,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
 
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    """The benchmark prompt's first ``n`` tokens (PROMPT repeated as far as needed)."""
+    return tokenizer(PROMPT * (1 + n // 40), add_special_tokens=False)["input_ids"][:n]
+
+
 def dense_decode_tok_s(model: str, fmt: str, prompt_tokens: int = 128, new_tokens: int = 64, repeats: int = 3) -> float:
     """Median batch-1 dense decode tok/s of the runner in weight format ``fmt`` (this module's prompt
     and timing), for reports that set it beside a peer's batch-1 figure (``bench compare``)."""
     resolved, dtype = models.resolve_weights(fmt, "auto")
     lm = models.load(model, dtype=dtype, weights=resolved)
     runner = BlockRunner(lm.model, max_batch=1, max_len=prompt_tokens + new_tokens + 1)
-    ids = lm.tokenizer(PROMPT * (1 + prompt_tokens // 40), add_special_tokens=False)["input_ids"][:prompt_tokens]
+    ids = prompt_ids(lm.tokenizer, prompt_tokens)
     dense = torch.ones(runner.num_blocks, dtype=torch.bool)
     with torch.inference_mode():
         run_runner(runner, ids, dense, new_tokens)  # warm-up
@@ -125,7 +130,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     cases, runners, lms = _cases(args)
     lm0 = next(iter(lms.values()))
-    ids = lm0.tokenizer(PROMPT * (1 + args.prompt_tokens // 40), add_special_tokens=False)["input_ids"][: args.prompt_tokens]
+    ids = prompt_ids(lm0.tokenizer, args.prompt_tokens)
     samples = _measure(cases, runners, lms, ids, args.new_tokens, args.repeats)
     runs = [_run_record(case, samples[case[0], case[1]], runners[case[1]]) for case in cases]
     for r in runs:
@@ -141,8 +146,7 @@ def run(args) -> int:
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "auto_weights": wf.auto_format(),
         "kernels": {fmt: wf.kernels(lm.model) for fmt, lm in lms.items()},
-        "int4bf16_wide_rows": cpu_kernels.wide_rows() if cpu_kernels.available() else None,
-        "int4bf16_tile_rows": cpu_kernels.tile_rows() if cpu_kernels.available() else None,
+        **cpu_kernels.int4bf16_rows(),
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

@@ -121,6 +121,12 @@ def tile_rows() -> int:
     return torch.ops.igserve.tile_rows()
 
 
+def int4bf16_rows() -> dict:
+    """int4bf16's row thresholds on this CPU, for reports (None where igserve's kernels are off)."""
+    on = available()
+    return {"int4bf16_wide_rows": wide_rows() if on else None, "int4bf16_tile_rows": tile_rows() if on else None}
+
+
 @functools.cache
 def row_bf16() -> bool:
     """Whether this CPU runs calls of a few rows (``tile_rows()``) of an int4bf16 linear in bfloat16

@@ -12,8 +12,8 @@
   igserve's kernels only; with torch's it is ``int4``.
 * ``int4bf16``: int4 whose linears (and lm_head) also carry a bfloat16 copy: calls of
   ``wide_rows()`` rows and more run oneDNN's bf16 matmuls on it; on a CPU with AVX-512 BF16 calls
-  of up to 4 rows of an int4 linear multiply the Q4_1 groups in bf16 dot products (x rounded to
-  bf16, the weights exact); the rows between run the float32 kernels.
+  of up to ``tile_rows()`` rows of an int4 linear multiply the Q4_1 groups, in 16-channel tiles, in
+  bf16 dot products (x rounded to bf16, the weights exact); the rows between run the float32 kernels.
 * ``int8``: symmetric per-output-channel int8 (``_weight_int8pack_mm``), for 16/32-bit models.
 * The tied embedding / lm_head (Q8_0 in the GGUF) is an int8 per-channel lm_head in both
   quantised formats; the embedding lookup stays a table in the activation dtype.

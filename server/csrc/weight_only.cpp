@@ -91,7 +91,7 @@ struct I8 {
     int64_t ahead;  // bytes to the same place in the channel AHEAD rows on
     inline void prefetch(int64_t g) const {
       _mm_prefetch(reinterpret_cast<const char*>(q + g * GROUP + PF), _MM_HINT_T0);
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(q + g * GROUP + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + g * GROUP + ahead), _MM_HINT_T0);
     }
     inline void expand(int64_t g, __m256 w[4]) const {
       for (int i = 0; i < 4; ++i)
@@ -418,22 +418,22 @@ constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run
 constexpr int64_t WIDE_ROWS = 14, WIDE_ROWS_AMX = EXPAND_ROWS + 1;
 // Up to tile_rows() rows an int4bf16 linear runs its tiles in bf16 dot products (above that, the
 // float32 kernels or oneDNN). With AMX that reaches past wide_from(): the tiles, read once for all
-// rows, beat oneDNN's matmul up to about 9 rows (bench/results/kernels_amx.json); elsewhere 4, as
-// measured with the earlier per-channel bf16 kernel (README, "Weight formats").
-// IGSERVE_TILE_ROWS overrides it, to measure it.
+// rows, beat oneDNN's matmul up to about 9 rows (hand-run, README "Weight formats"); elsewhere 4,
+// as measured with the earlier per-channel bf16 kernel. IGSERVE_TILE_ROWS overrides it, to measure it.
 constexpr int64_t TILE_ROWS_AMX = 9;
+
+// A row threshold chosen by whether the CPU has AMX, unless the environment variable names one
+// (at least `floor`).
+int64_t rows_for_cpu(const char* env, int64_t amx, int64_t other, int64_t floor) {
+  if (const char* v = std::getenv(env)) return std::max<int64_t>(floor, std::atoll(v));
+  return __builtin_cpu_supports("amx-bf16") ? amx : other;
+}
 int64_t tile_rows() {
-  static const int64_t rows = [] {
-    if (const char* env = std::getenv("IGSERVE_TILE_ROWS")) return std::max<int64_t>(0, std::atoll(env));
-    return __builtin_cpu_supports("amx-bf16") ? TILE_ROWS_AMX : EXPAND_ROWS;
-  }();
+  static const int64_t rows = rows_for_cpu("IGSERVE_TILE_ROWS", TILE_ROWS_AMX, EXPAND_ROWS, 0);
   return rows;
 }
 int64_t wide_from() {
-  static const int64_t rows = [] {
-    if (const char* env = std::getenv("IGSERVE_WIDE_ROWS")) return std::max<int64_t>(1, std::atoll(env));
-    return __builtin_cpu_supports("amx-bf16") ? WIDE_ROWS_AMX : WIDE_ROWS;
-  }();
+  static const int64_t rows = rows_for_cpu("IGSERVE_WIDE_ROWS", WIDE_ROWS_AMX, WIDE_ROWS, 1);
   return rows;
 }
 
