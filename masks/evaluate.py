@@ -178,7 +178,7 @@ def _summary(methods: dict, chosen: dict, results: list[dict], static: dict[str,
 
 def evaluate_bank(runner, tokenizer, bank: MaskBank, domains: dict[str, list[str]], routes: dict[str, list[str]],
                   max_len: int = 128, batch_size: int = 8, seed: int = 0, sparsity: float | None = None,
-                  cache: Path | None = None, fingerprint: str = "") -> dict:
+                  cache: Path | None = None, fingerprint: str = "", weights: str = "fp32") -> dict:
     """Score every document under every mask used at one budget, then aggregate each method per domain and overall."""
     s = bank.sparsity if sparsity is None else sparsity
     all_masks = bank.mask_tensors()
@@ -188,7 +188,8 @@ def evaluate_bank(runner, tokenizer, bank: MaskBank, domains: dict[str, list[str
     saved = {m: runner.cost.compute_saved(mask) for m, mask in masks.items()}
     texts = [t for d in domains for t in domains[d]]
     doc_domain = [d for d in domains for _ in domains[d]]
-    results = _per_document(score_documents(runner, tokenizer, fingerprint, texts, masks, max_len, batch_size, cache))
+    results = _per_document(score_documents(runner, tokenizer, fingerprint, texts, masks, max_len, batch_size, cache,
+                                            weights=weights))
     chosen = _choose(bank, s, results, routes, seed)
     methods = _method_rows(chosen, results, doc_domain, domains, saved)
     static = bank.static_ids(s)
@@ -268,7 +269,7 @@ def write_report(report: dict, json_path: Path, plot_path: Path | None, plot) ->
 
 
 def seed_from_reports(reports: list[Path], cache: Path, fingerprint: str, max_len: int,
-                      domains: dict[str, list[str]]) -> int:
+                      domains: dict[str, list[str]], weights: str = "fp32") -> int:
     """Fill the score cache from earlier reports of the same documents and window (their bank's masks)."""
     from masks.labels import seed_cache
 
@@ -276,9 +277,10 @@ def seed_from_reports(reports: list[Path], cache: Path, fingerprint: str, max_le
     stored = 0
     for path in reports:
         old = json.loads(path.read_text())
-        if old["max_len"] != max_len or len(old["documents"]) != len(texts):
-            raise SystemExit(f"{path}: other documents or window than this run")
-        stored += seed_cache(cache, fingerprint, max_len, texts, MaskBank.load(old["bank"]).mask_tensors(), old["documents"])
+        if old["max_len"] != max_len or len(old["documents"]) != len(texts) or old.get("weights", "fp32") != weights:
+            raise SystemExit(f"{path}: other documents, window or weight format than this run")
+        stored += seed_cache(cache, fingerprint, max_len, texts, MaskBank.load(old["bank"]).mask_tensors(), old["documents"],
+                             weights)
     return stored
 
 
@@ -295,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     runner = BlockRunner(lm.model, max_batch=1, max_len=args.max_len)
     bank.check_model(lm.fingerprint, runner.num_blocks)
     domains = {d: texts[: args.docs_per_domain] for d, texts in load_domain_dir(args.data).items()}
-    seeded = seed_from_reports(args.seed_from, args.cache, lm.fingerprint, args.max_len, domains)
+    seeded = seed_from_reports(args.seed_from, args.cache, lm.fingerprint, args.max_len, domains, lm.weights)
     s = bank.sparsity if args.budget is None else args.budget
     emb = embed([t for d in domains for t in domains[d]])
     routes = route_methods(bank, emb, s)
@@ -304,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
               "command": args.invocation, "cpu_flags": cpu_flags(),
               "router": bank.router.get("kind", "centroid"), "ood": bank.ood, "masks_seeded_from_reports": seeded}
     report.update(evaluate_bank(runner, lm.tokenizer, bank, domains, routes, args.max_len, args.batch_size, args.seed,
-                                s, args.cache, lm.fingerprint))
+                                s, args.cache, lm.fingerprint, lm.weights))
     report["seconds"] = round(time.perf_counter() - start, 1)
     write_report(report, args.json, args.plot, plot_report)
     print(format_report(report))

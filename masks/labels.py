@@ -1,7 +1,8 @@
 """Per-document loss of every candidate mask: the router's training labels and the held-out scores.
 
 Scoring one document under one mask is the expensive unit (a full forward of the LM), so results
-are cached on disk per mask (by its bits, the model fingerprint and the token window) and per
+are cached on disk per mask (by its bits, the model fingerprint, the weight format and the token
+window) and per
 document (by a hash of its text): adding candidates or documents later scores only what is new,
 and the same cache serves ``igserve eval``. Labels need only NLL, so they are scored one mask at a
 time and saved after each (resumable); with ``kl`` the masks are scored together against one dense
@@ -30,8 +31,9 @@ def mask_key(mask: torch.Tensor) -> str:
 class ScoreCache:
     """{mask: {doc hash: (tokens, nll, kl or None)}} on disk, one file per mask."""
 
-    def __init__(self, root: Path | None, fingerprint: str, max_len: int):
-        self.root, self.prefix = root, hashlib.sha256(f"{fingerprint}-{max_len}".encode()).hexdigest()[:10]
+    def __init__(self, root: Path | None, fingerprint: str, max_len: int, weights: str = "fp32"):
+        key = f"{fingerprint}-{max_len}" + ("" if weights == "fp32" else f"-{weights}")  # fp32: the original key
+        self.root, self.prefix = root, hashlib.sha256(key.encode()).hexdigest()[:10]
         self.rows: dict[str, dict] = {}
 
     def _file(self, mask: torch.Tensor) -> Path:
@@ -91,10 +93,12 @@ def _with_kl(runner, tokenizer, texts: list[str], masks: dict[str, torch.Tensor]
 
 
 def score_documents(runner, tokenizer, fingerprint: str, texts: list[str], masks: dict[str, torch.Tensor],
-                    max_len: int = 128, batch_size: int = 8, cache: Path | None = None, kl: bool = True) -> dict:
-    """{"tokens": [n], "nll": {id: [n]}, "kl": {id: [n]} (with ``kl``)}: summed NLL and KL(dense || masked)
-    over each document's predicted tokens. Only (mask, document) pairs missing from ``cache`` are scored."""
-    store = ScoreCache(cache, fingerprint, max_len)
+                    max_len: int = 128, batch_size: int = 8, cache: Path | None = None, kl: bool = True,
+                    weights: str = "fp32") -> dict:
+    """{"tokens": [n], "nll": {id: [n]}, "kl": {id: [n]} (with ``kl``), "scored": pairs scored now}: summed
+    NLL and KL(dense || masked) over each document's predicted tokens, with the linears in ``weights``.
+    Only (mask, document) pairs missing from ``cache`` are scored."""
+    store = ScoreCache(cache, fingerprint, max_len, weights)
     hashes = [text_hash(t) for t in texts]
     todo = _missing(store, masks, hashes, kl)
     if kl and todo:
@@ -106,7 +110,7 @@ def score_documents(runner, tokenizer, fingerprint: str, texts: list[str], masks
         rows = _nll_only(runner, tokenizer, [texts[i] for i in idx], masks[m], max_len, batch_size)
         store.put(masks[m], {hashes[i]: r for i, r in zip(idx, rows)})
     first = store.get(next(iter(masks.values())))
-    out = {"tokens": [first[h][0] for h in hashes], "nll": {}, "kl": {}}
+    out = {"tokens": [first[h][0] for h in hashes], "nll": {}, "kl": {}, "scored": sum(map(len, todo.values()))}
     for m, t in masks.items():
         have = store.get(t)
         out["nll"][m] = [have[h][1] for h in hashes]
@@ -116,10 +120,10 @@ def score_documents(runner, tokenizer, fingerprint: str, texts: list[str], masks
 
 
 def seed_cache(cache: Path, fingerprint: str, max_len: int, texts: list[str], masks: dict[str, torch.Tensor],
-               documents: list[dict]) -> int:
+               documents: list[dict], weights: str = "fp32") -> int:
     """Store per-document scores of an earlier ``igserve eval`` report (its ``documents``, in the order of
     ``texts``) so that those masks are not scored again. Returns how many masks were stored."""
-    store = ScoreCache(cache, fingerprint, max_len)
+    store = ScoreCache(cache, fingerprint, max_len, weights)
     stored = 0
     for m, t in masks.items():
         if m in documents[0]["nll"]:

@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", help="kind=value (e.g. knn=20) instead of the cross-validated choice")
     parser.add_argument("--out", type=Path, help="format-2 bank to write (without it: labels only)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weights", default="fp32", help="weight format the labels are scored in (fp32, bf16, ...)")
     parser.add_argument("--threads", type=int, default=2)
 
 
@@ -62,7 +63,7 @@ def make_labels(lm, runner, docs: list[dict], pool: dict[str, dict], max_len: in
     """Scores of every label document under dense and every candidate (see ``masks.labels``)."""
     masks = {"dense": torch.ones(runner.num_blocks, dtype=torch.bool), **{k: v["mask"] for k, v in pool.items()}}
     return score_documents(runner, lm.tokenizer, lm.fingerprint, [d["text"] for d in docs], masks, max_len,
-                           batch_size, cache, kl=False)
+                           batch_size, cache, kl=False, weights=lm.weights)
 
 
 def parse_cores(text: str) -> dict[float, int]:
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    lm = models.load(args.model)
+    lm = models.load(args.model, dtype=models.resolve_weights(args.weights)[1], weights=args.weights)
     source = MaskBank.load(args.bank)
     runner = BlockRunner(lm.model, max_batch=1, max_len=args.max_len)
     source.check_model(lm.fingerprint, runner.num_blocks)
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     docs = label_documents(args.data, args.docs_per_domain, args.seed)
     labels = make_labels(lm, runner, docs, pool, args.max_len, args.batch_size, args.cache)
     label_seconds = round(time.perf_counter() - start, 1)
-    print(f"labels: {len(docs)} documents x {len(pool) + 1} masks, {label_seconds:.0f} s")
+    print(f"labels: {len(docs)} documents x {len(pool) + 1} masks, {labels['scored']} pairs scored, "
+          f"{label_seconds:.0f} s")
     if args.out is None:
         return 0
     from masks.router_bank import build_routed_bank
@@ -92,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
     saved = {"dense": 0.0, **{k: runner.cost.compute_saved(torch.as_tensor(p["mask"])) for k, p in pool.items()}}
     bank = build_routed_bank(source, pool, docs, labels, budgets, saved, args)
     bank.training["labels"] = {"documents": len(docs), "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,
-                               "masks": len(pool) + 1, "seconds": label_seconds}
+                               "weights": lm.weights,
+                               "masks": len(pool) + 1, "pairs_scored": labels["scored"],
+                               "seconds": label_seconds}  # this run's: pairs found in the cache cost nothing
     bank.save(args.out)
     print(f"wrote {args.out}: {len(pool)} candidates over budgets {budgets}, router {bank.router['kind']}")
     print(json.dumps(bank.router.get("selection", {}), indent=1))

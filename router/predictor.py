@@ -50,7 +50,8 @@ def _with_bias(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rounded(t: torch.Tensor, digits: int = 6) -> list:
-    return torch.round(t.float(), decimals=digits).tolist()
+    """Nested lists rounded in float64, so the bank JSON holds short decimals, not float32 reprs."""
+    return torch.round(t.double(), decimals=digits).tolist()
 
 
 def fit(kind: str, emb: torch.Tensor, target: torch.Tensor, candidates: list[str], value: float) -> Predictor:

@@ -84,6 +84,18 @@ def test_score_cache_scores_only_what_is_new(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(labels, "_with_kl", lambda *a, **k: pytest.fail("scored a cached pair"))
     again = score_documents(runner, tiny.tokenizer, "fp", texts[:2], {"same": masks["a"]}, 32, 2, tmp_path)
     assert again["nll"]["same"] == pytest.approx(fresh["nll"]["a"][:2]) == cached["nll"]["a"]
+    assert (fresh["scored"], cached["scored"], again["scored"]) == (6, 4, 0)
     assert fresh["kl"]["dense"] == pytest.approx([0.0] * 3, abs=1e-4) and min(fresh["kl"]["a"]) > 0
     nll_only = score_documents(runner, tiny.tokenizer, "fp", texts, masks, 32, 2, tmp_path / "n", kl=False)
     assert nll_only["nll"]["a"] == pytest.approx(fresh["nll"]["a"], rel=1e-5) and nll_only["kl"] == {}
+
+
+def test_score_cache_keeps_weight_formats_apart(tmp_path):
+    from masks.labels import ScoreCache
+
+    mask = torch.tensor([1, 0, 1, 1], dtype=torch.bool)
+    ScoreCache(tmp_path, "fp", 32).put(mask, {"doc": (5, 1.0, None)})
+    ScoreCache(tmp_path, "fp", 32, "bf16").put(mask, {"doc": (5, 2.0, None)})
+    assert ScoreCache(tmp_path, "fp", 32).get(mask)["doc"][1] == 1.0
+    assert ScoreCache(tmp_path, "fp", 32, "bf16").get(mask)["doc"][1] == 2.0
+    assert ScoreCache(tmp_path, "fp", 32, "int4").get(mask) == {}
