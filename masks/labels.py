@@ -2,11 +2,10 @@
 
 Scoring one document under one mask is the expensive unit (a full forward of the LM), so results
 are cached on disk per mask (by its bits, the model fingerprint, the weight format and the token
-window) and per
-document (by a hash of its text): adding candidates or documents later scores only what is new,
-and the same cache serves ``igserve eval``. Labels need only NLL, so they are scored one mask at a
-time and saved after each (resumable); with ``kl`` the masks are scored together against one dense
-forward per batch.
+window) and per document (by a hash of its text): adding candidates or documents later scores only
+what is new, and the same cache serves ``igserve eval``. Labels need only NLL, so they are scored
+one mask at a time and saved after each (resumable); with ``kl`` the masks are scored together
+against one dense forward per batch.
 """
 
 from __future__ import annotations
