@@ -171,8 +171,9 @@ def test_int4bf16_switches_to_onednn_at_5_rows_with_amx_else_at_14_and_tiles_run
 @pytest.mark.parametrize("offset", [-13, -1, 0, 1, 19])
 def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
     """int4bf16 (its int4 linears and int8 lm_head): below ``wide_rows()`` rows the float32
-    kernel's exact bits (but for int4's ``tile_rows()`` on AVX-512 BF16, next test), from there torch's bf16 matmul of the bf16-rounded dequantised weight
-    (within bf16 rounding of the exact product)."""
+    kernel's exact bits (but for int4's ``tile_rows()`` on AVX-512 BF16, next test), from there
+    torch's bf16 matmul of the bf16-rounded dequantised weight (within bf16 rounding of the exact
+    product)."""
     rows = max(1, cpu_kernels.wide_rows() + offset)  # -13: one row (14 rows without AMX, 5 with)
     w = _weight(n=80, k=96, seed=rows)
     if kind == "int4":

@@ -314,56 +314,54 @@ IGSERVE_BF16 Bf16Rows bf16_rows(const float* x, int64_t R, int64_t K) {
   return r;
 }
 
+// RB rows from r0 against tile t.
 template <int RB>
-IGSERVE_BF16 void q4_tile_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t r0, int64_t t0, int64_t t1, float* y,
-                               int64_t N) {
+IGSERVE_BF16 void q4_tile_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t r0, int64_t t, float* y, int64_t N) {
   const __m512i one = _mm512_set1_epi16(0x3F80), bits = _mm512_set1_epi16(0x78);
   const __m512i lo8 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i hi8 = _mm512_add_epi32(lo8, _mm512_set1_epi32(8));
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512 sixteen = _mm512_set1_ps(16.0f);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* p = tiles + t * x.G * TILE_BYTES;
-    __m512 a0[RB], a1[RB], a2[RB];  // channels 0..7 and 8..15 in lane pairs; the min term
-    for (int r = 0; r < RB; ++r) a0[r] = a1[r] = a2[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < x.G; ++g, p += TILE_BYTES) {
-      prefetch_tile_group(p);
-      __m512 s0[RB], s1[RB];
-      for (int r = 0; r < RB; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+  const uint8_t* p = tiles + t * x.G * TILE_BYTES;
+  __m512 a0[RB], a1[RB], a2[RB];  // channels 0..7 and 8..15 in lane pairs; the min term
+  for (int r = 0; r < RB; ++r) a0[r] = a1[r] = a2[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.G; ++g, p += TILE_BYTES) {
+    prefetch_tile_group(p);
+    __m512 s0[RB], s1[RB];
+    for (int r = 0; r < RB; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j)));
-        const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32)));
-        // (a & b) | c: the nibble moved to mantissa bits 3..6, under the exponent of 1
-        const __m512bh w0l = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v0, 3), bits, one, 0xEA);
-        const __m512bh w0h = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 1), bits, one, 0xEA);
-        const __m512bh w1l = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v1, 3), bits, one, 0xEA);
-        const __m512bh w1h = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 1), bits, one, 0xEA);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j)));
+      const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32)));
+      // (a & b) | c: the nibble moved to mantissa bits 3..6, under the exponent of 1
+      const __m512bh w0l = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v0, 3), bits, one, 0xEA);
+      const __m512bh w0h = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 1), bits, one, 0xEA);
+      const __m512bh w1l = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v1, 3), bits, one, 0xEA);
+      const __m512bh w1h = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 1), bits, one, 0xEA);
 #pragma GCC unroll 4
-        for (int r = 0; r < RB; ++r) {
-          const uint16_t* xg = x.x.data() + (r0 + r) * x.K + g * GROUP + 4 * j;
-          const __m512bh xl = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg));
-          const __m512bh xh = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg + 16));
-          s0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(s0[r], w0l, xl), w0h, xh);
-          s1[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(s1[r], w1l, xl), w1h, xh);
-        }
-      }
-      const __m512 d16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256))), sixteen);
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
-      const __m512 dl = _mm512_permutexvar_ps(lo8, d16), dh = _mm512_permutexvar_ps(hi8, d16);
       for (int r = 0; r < RB; ++r) {
-        const float* xs = x.s.data() + 2 * ((r0 + r) * x.G + g);
-        const __m512 off = _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(xs)));  // [s0, s1] x 8
-        a0[r] = _mm512_fmadd_ps(_mm512_sub_ps(s0[r], off), dl, a0[r]);
-        a1[r] = _mm512_fmadd_ps(_mm512_sub_ps(s1[r], off), dh, a1[r]);
-        a2[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[0] + xs[1]), a2[r]);
+        const uint16_t* xg = x.x.data() + (r0 + r) * x.K + g * GROUP + 4 * j;
+        const __m512bh xl = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg));
+        const __m512bh xh = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg + 16));
+        s0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(s0[r], w0l, xl), w0h, xh);
+        s1[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(s1[r], w1l, xl), w1h, xh);
       }
     }
+    const __m512 d16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256))), sixteen);
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+    const __m512 dl = _mm512_permutexvar_ps(lo8, d16), dh = _mm512_permutexvar_ps(hi8, d16);
     for (int r = 0; r < RB; ++r) {
-      const __m512 dot = _mm512_add_ps(_mm512_permutex2var_ps(a0[r], even, a1[r]), _mm512_permutex2var_ps(a0[r], odd, a1[r]));
-      _mm512_storeu_ps(y + (r0 + r) * N + t * TILE_CH, _mm512_add_ps(dot, a2[r]));
+      const float* xs = x.s.data() + 2 * ((r0 + r) * x.G + g);
+      const __m512 off = _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(xs)));  // [s0, s1] x 8
+      a0[r] = _mm512_fmadd_ps(_mm512_sub_ps(s0[r], off), dl, a0[r]);
+      a1[r] = _mm512_fmadd_ps(_mm512_sub_ps(s1[r], off), dh, a1[r]);
+      a2[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[0] + xs[1]), a2[r]);
     }
+  }
+  for (int r = 0; r < RB; ++r) {
+    const __m512 dot = _mm512_add_ps(_mm512_permutex2var_ps(a0[r], even, a1[r]), _mm512_permutex2var_ps(a0[r], odd, a1[r]));
+    _mm512_storeu_ps(y + (r0 + r) * N + t * TILE_CH, _mm512_add_ps(dot, a2[r]));
   }
 }
 
@@ -373,10 +371,10 @@ IGSERVE_BF16 void q4_tiles_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
       const int64_t n = std::min<int64_t>(4, R - r0);
-      if (n == 4) q4_tile_bf16<4>(tiles, x, r0, t, t + 1, y, N);
-      else if (n == 3) q4_tile_bf16<3>(tiles, x, r0, t, t + 1, y, N);
-      else if (n == 2) q4_tile_bf16<2>(tiles, x, r0, t, t + 1, y, N);
-      else q4_tile_bf16<1>(tiles, x, r0, t, t + 1, y, N);
+      if (n == 4) q4_tile_bf16<4>(tiles, x, r0, t, y, N);
+      else if (n == 3) q4_tile_bf16<3>(tiles, x, r0, t, y, N);
+      else if (n == 2) q4_tile_bf16<2>(tiles, x, r0, t, y, N);
+      else q4_tile_bf16<1>(tiles, x, r0, t, y, N);
     }
 }
 
@@ -599,7 +597,6 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                 "tiles must be contiguous uint8 [N/16, K/32, 320]");
     tp = tiles_->data_ptr<uint8_t>();
   }
-  const bool tiles = tp != nullptr;
   // int4bf16's few rows: bf16 dot products on the tiles where the CPU has them
   if (bf16_tiles) {
     const Bf16Rows xb = bf16_rows(x.data_ptr<float>(), R, K);
@@ -617,7 +614,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
     one_row(N, [&](auto nc, int64_t n) { tile_q4_row<decltype(nc)::value>(wr, xp, n, yp); });
   } else if (!q8) {
     run(w, x.data_ptr<float>(), R, K, yp, N);
-  } else if (R == 1 && tiles && has_vnni()) {
+  } else if (R == 1 && tp && has_vnni()) {
     const Q8Rows xq = q8_rows(x.data_ptr<float>(), 1, K, false);
     at::parallel_for(0, N / TILE_CH, 4, [&](int64_t b, int64_t e) { q8_tile_row(tp, xq, b, e, yp); });
   } else if (R == 1) {
