@@ -82,11 +82,11 @@ def run_runner(runner: BlockRunner, prompt_ids: list[int], mask: torch.Tensor, n
     masks = mask.expand(batch, -1)
     slots = list(range(batch))
     start = time.perf_counter()
-    tokens = runner.prefill([prompt_ids], masks[:1], [0]).argmax(-1).tolist() * batch
+    tokens = cpu_kernels.argmax(runner.prefill([prompt_ids], masks[:1], [0])).tolist() * batch
     times = [time.perf_counter()]
     runner.copy_slot(0, slots[1:], len(prompt_ids))  # the rows share the prompt: prefill it once
     for step in range(new_tokens - 1):
-        tokens = runner.decode(tokens, [len(prompt_ids) + step] * batch, masks, slots).argmax(-1).tolist()
+        tokens = cpu_kernels.argmax(runner.decode(tokens, [len(prompt_ids) + step] * batch, masks, slots)).tolist()
         times.append(time.perf_counter())
     prefill, decode = _rates(start, times, len(prompt_ids))
     return prefill, decode * batch

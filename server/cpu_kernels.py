@@ -6,8 +6,8 @@ row, so on a CPU without native bf16 arithmetic each linear paid two casts and a
 nearly its row count times one row. These kernels expand each weight group once per call and
 use it for every row, in float32: the result is the Q4_1 dequantisation to float32 rounding.
 With ``q8`` (format int4q8) the activations are rounded to int8 first and one row runs integer
-dot products, as llama.cpp does. One row of int4q8 on AVX-512 VNNI (``q8_tiles``) and a few rows
-of int4bf16 on AVX-512 BF16 (``row_bf16``, ``tile_rows``) run on a copy of the groups in 16-channel tiles
+dot products, as llama.cpp does. One row of int4q8 and a few rows of int4bf16 (``tile_rows``, x in
+two int8 digits) run on AVX-512 VNNI (``vnni_tiles``) over a copy of the groups in 16-channel tiles
 (``pack_q4_tiles``), chosen at run time: the build itself needs AVX2 only.
 Built on first use with torch's extension builder (cached under ``$IGSERVE_CACHE/kernels``;
 the time is logged); where the CPU lacks the instructions, no compiler is found or the
@@ -103,8 +103,8 @@ def q4_linear(x2: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, q8: bool = F
     """x2 [R, K] float32 @ W^T for Q4_1 W in the packed layout -> [R, N] float32; ``q8``: x2
     rounded to int8 per group of 32 first (``round_q8``); ``wide``: W in bfloat16 [N, K], which
     calls of ``wide_rows()`` rows and more multiply in bfloat16 instead; ``tiles``: the groups
-    as ``pack_q4_tiles`` lays them out, for one row of ``q8`` where ``q8_tiles()`` and, without
-    ``q8``, for up to ``tile_rows()`` rows in bf16 dot products (x rounded to bf16) where ``row_bf16()``."""
+    as ``pack_q4_tiles`` lays them out, where ``vnni_tiles()``: for one row of ``q8`` and, without
+    ``q8``, for up to ``tile_rows()`` rows (x in two int8 digits per group, weight_only.cpp)."""
     return torch.ops.igserve.q4_linear(x2, qs, dm, q8, wide, tiles)
 
 
@@ -116,7 +116,7 @@ def wide_rows() -> int:
 
 @functools.cache
 def tile_rows() -> int:
-    """Rows up to which an int4bf16 linear runs its tiles in bf16 dot products where ``row_bf16()``
+    """Rows up to which an int4bf16 linear runs its tiles where ``vnni_tiles()``
     (9 with AMX, past ``wide_rows()``; else 4; weight_only.cpp)."""
     return torch.ops.igserve.tile_rows()
 
@@ -128,16 +128,10 @@ def int4bf16_rows() -> dict:
 
 
 @functools.cache
-def row_bf16() -> bool:
-    """Whether this CPU runs calls of a few rows (``tile_rows()``) of an int4bf16 linear in bfloat16
-    dot products on its tiles (AVX-512 BF16): x rounded to bf16, as its many-row calls round it."""
-    return torch.ops.igserve.row_bf16()
-
-
-@functools.cache
-def q8_tiles() -> bool:
-    """Whether this CPU runs int4q8's one-row calls on VNNI tiles (AVX-512 VNNI; ``pack_q4_tiles``)."""
-    return torch.ops.igserve.q8_tiles()
+def vnni_tiles() -> bool:
+    """Whether this CPU runs int4q8's one-row calls and int4bf16's calls of a few rows (``tile_rows()``)
+    on VNNI tiles (AVX-512 VNNI; ``pack_q4_tiles``)."""
+    return torch.ops.igserve.vnni_tiles()
 
 
 # the order of a group's 32 elements in the kernels' int8-rounded activations (weight_only.cpp, q8_row)
@@ -166,6 +160,30 @@ def round_q8(x2: torch.Tensor) -> torch.Tensor:
     d = g.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return (torch.round(g * inv) * d).view_as(x2)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest value, for [B, V] logits: blocks.cpp's one pass for
+    float32 on a CPU with these kernels (torch's CPU argmax is a slow reduction at a 49k
+    vocabulary), torch's otherwise. A NaN counts as no value there (the sampler zeroes a
+    non-finite row first)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and available():
+        return torch.ops.igserve.argmax_rows(x.contiguous())
+    return x.argmax(-1)
+
+
+def round_i8x2(x2: torch.Tensor) -> torch.Tensor:
+    """The reference of int4bf16's few-row activations (weight_only.cpp, i8x2_rows), float64: per row
+    and group of 32, unit u = absmax / 127, a = round(x / u), b = round(256 (x - a u) / u) within
+    int8, x -> u a + (u / 256) b (float32 steps as the kernel rounds them; ties to even)."""
+    g = x2.float().view(x2.shape[0], -1, 32)
+    unit = g.abs().amax(-1, keepdim=True) / 127
+    ia = torch.where(unit > 0, 1 / unit, torch.zeros_like(unit))
+    ib = torch.where(unit > 0, 256 / unit, torch.zeros_like(unit))
+    a = torch.round(g * ia)
+    rest = (g.double() - a.double() * unit.double()).float()  # one rounding, as the kernel's FMA
+    b = torch.round(rest * ib).clamp(-128, 127)
+    return (unit.double() * a.double() + (unit / 256).double() * b.double()).view_as(x2)
 
 
 def i8_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, wide: torch.Tensor | None = None) -> torch.Tensor:

@@ -139,6 +139,7 @@ class BlockRunner:
             raise ValueError(f"the fused CPU blocks read a float32 or float16 KV cache, not {kv_dtype}")
         self.cache = KVCache(self.num_layers, max_batch, self.num_kv_heads, self.max_len, self.head_dim,
                              kv_dtype or self.dtype, self.device)
+        self.stack = self._fused_stack() if self.fused is not None else None
 
     @property
     def packs_rows(self) -> bool:
@@ -166,6 +167,16 @@ class BlockRunner:
                 return None
             out.append(FusedLayer(self, i, tensors))
         return out
+
+    def _fused_stack(self):
+        """The fused layers and this runner's cache, handed to C++ once (blocks.cpp, FusedStack)."""
+        stack = torch.classes.igserve.FusedStack(self.cos, self.sin, self.norm.weight, self.final_eps,
+                                                 self.num_heads, self.num_kv_heads)
+        for i, f in enumerate(self.fused):
+            stack.add_layer(f.attn_norm, f.attn_eps, list(f.qkv), f.qkv_bias, list(f.o), f.o_bias, self.cache.k[i],
+                            self.cache.v[i], f.scale, *f.q8_attn, f.ffn_norm, f.ffn_eps, list(f.gate_up),
+                            f.gate_up_bias, list(f.down), f.down_bias, *f.q8_ffn)
+        return stack
 
     # ------------------------------------------------------------------ cost model
     def params_per_token(self, mask: torch.Tensor) -> float:
@@ -317,22 +328,11 @@ class BlockRunner:
         return self._forward(ids, positions, gates, attn_mask, (slot_t, write_slots, write_pos, run))
 
     def _forward_fused(self, ids, starts, lengths, keep, slots) -> torch.Tensor:
-        """``_forward`` with the cache, one fused C++ call per block run by any row."""
+        """``_forward`` with the cache: one C++ call runs every block on the rows that keep it and the
+        final norm (a block no row keeps costs nothing)."""
         h = self.embed(ids)
-        columns = keep.t().contiguous()  # [B, n]: which rows run block j
-        attn, ffn = torch.ops.igserve.attn_block, torch.ops.igserve.ffn_block
-        for j, count in enumerate(columns.sum(1).tolist()):
-            if count == 0:
-                continue
-            i, f = j // 2, self.fused[j // 2]
-            if j % 2 == 0:
-                attn(h, columns[j], f.attn_norm, f.attn_eps, f.qkv, f.qkv_bias, f.o, f.o_bias, self.cos, self.sin,
-                     self.cache.k[i], self.cache.v[i], slots, starts, lengths, self.num_heads, self.num_kv_heads,
-                     f.scale, *f.q8_attn)
-            else:
-                ffn(h, columns[j], f.ffn_norm, f.ffn_eps, f.gate_up, f.gate_up_bias, f.down, f.down_bias, lengths,
-                    *f.q8_ffn)
-        return _rms_norm(h, self.norm.weight, self.final_eps)
+        self.stack.forward(h, keep.t().contiguous(), slots, starts, lengths)
+        return h
 
     def prefill(self, prompts: list[list[int]], masks: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Run prompts from position 0 into their cache slots; logits of each last token [B, V]."""

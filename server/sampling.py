@@ -19,6 +19,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from server import cpu_kernels
+
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's chat API
 LOGIT_BIAS_LIMIT = 100.0  # |bias| per token, as OpenAI
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy: dividing by it would overflow
@@ -255,7 +257,7 @@ def _draw(x: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     if all(sampled):
         tokens = torch.empty(B, dtype=torch.long, device=dev)
     else:
-        tokens = x.argmax(-1)  # the greedy rows' tokens; the others are overwritten
+        tokens = cpu_kernels.argmax(x)  # the greedy rows' tokens; the others are overwritten
     if any(sampled):
         idx = _rows(sampled, dev)
         probs = torch.softmax(x[idx].float(), -1)

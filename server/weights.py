@@ -11,9 +11,10 @@
   row runs integer dot products (on AVX-512 VNNI over 16-channel tiles of the same groups).
   igserve's kernels only; with torch's it is ``int4``.
 * ``int4bf16``: int4 whose linears (and lm_head) also carry a bfloat16 copy: calls of
-  ``wide_rows()`` rows and more run oneDNN's bf16 matmuls on it; on a CPU with AVX-512 BF16 calls
+  ``wide_rows()`` rows and more run oneDNN's bf16 matmuls on it; on a CPU with AVX-512 VNNI calls
   of up to ``tile_rows()`` rows of an int4 linear multiply the Q4_1 groups, in 16-channel tiles, in
-  bf16 dot products (x rounded to bf16, the weights exact); the rows between run the float32 kernels.
+  integer dot products (the weights exact, x in two int8 digits per group: 2^-16 of the group's
+  largest value); the rows between run the float32 kernels.
 * ``int8``: symmetric per-output-channel int8 (``_weight_int8pack_mm``), for 16/32-bit models.
 * The tied embedding / lm_head (Q8_0 in the GGUF) is an int8 per-channel lm_head in both
   quantised formats; the embedding lookup stays a table in the activation dtype.
@@ -181,10 +182,10 @@ class Int4Linear(_WeightOnlyLinear):
             self.register_buffer("qs", cpu_kernels.pack_q4(groups.q))
             self.register_buffer("dm", cpu_kernels.pack_dm(groups.d, groups.m))
             self.register_buffer("bias", None if bias is None else bias.detach().float())
-            # the same groups as 16-channel tiles, for int4q8's one row on AVX-512 VNNI and int4bf16's
-            # few rows on AVX-512 BF16 (an attribute, not a buffer: a one-row step reads them instead
-            # of qs and dm, as many bytes); made on first use, as ``wide``
-            tiled = cpu_kernels.q8_tiles() if self.q8 else wide and cpu_kernels.row_bf16()
+            # the same groups as 16-channel tiles, for int4q8's one row and int4bf16's few rows on
+            # AVX-512 VNNI (an attribute, not a buffer: a one-row step reads them instead of qs and
+            # dm, as many bytes); made on first use, as ``wide``
+            tiled = (self.q8 or wide) and cpu_kernels.vnni_tiles()
             self._tiles = True if tiled else None
             return
         self.register_buffer("packed", _torch_int4_pack(groups.q, device))

@@ -297,15 +297,19 @@ def test_fused_blocks_equal_eager_ops(tiny_model_dir, tmp_path, fmt, heads):
     # norms can move one input by a whole bf16 step (about 1e-3 on these logits)
     tol = dict(atol=5e-3, rtol=1e-3) if fmt == "int4bf16" else dict(atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(got, want, **tol)
-    # K/V of each row at a layer whose attention it runs is the eager path's
+    # K/V of each row at a layer whose attention it runs is the eager path's. int4bf16's few-row
+    # calls (decode, small chunks) write x in two int8 digits whose unit follows the group's largest
+    # value, so that norms' last-bit difference moves every input of a group by up to a unit
+    # (2^-16 of the largest), not only those at a rounding boundary as bf16 rounding does
+    kv_tol = dict(atol=3e-4, rtol=1e-3) if fmt == "int4bf16" else dict(atol=1e-5, rtol=1e-5)
     for row, slot in enumerate(slots):
         for layer in range(4):
             if masks[row, 2 * layer]:
                 n = len(prompts[row]) + 5
                 torch.testing.assert_close(fused.cache.k[layer][slot, :, :n], eager.cache.k[layer][slot, :, :n],
-                                           atol=1e-5, rtol=1e-5)
+                                           **kv_tol)
                 torch.testing.assert_close(fused.cache.v[layer][slot, :, :n], eager.cache.v[layer][slot, :, :n],
-                                           atol=1e-5, rtol=1e-5)
+                                           **kv_tol)
 
 
 def test_float16_kv_cache_fused_equals_eager_and_stays_close_to_float32(tiny):

@@ -3,6 +3,7 @@ their dequantised weights say, and the runner in every format equals HF generate
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -94,7 +95,7 @@ def test_int4q8_one_row_on_vnni_tiles_is_the_rounded_product(k):
     """int4q8's one-row calls on AVX-512 VNNI run 16-channel tiles of the same groups: the product
     of round_q8(x) with the Q4_1 weights, as the kernels without tiles compute it; a fused linear
     stacks its parts' tiles."""
-    if not cpu_kernels.q8_tiles():
+    if not cpu_kernels.vnni_tiles():
         pytest.skip("no AVX-512 VNNI here")
     g = weights.quantize_q4_1(_weight(n=80, k=k, seed=k))
     lin = weights.Int4Linear(g, None, torch.float32, native=True, q8=True)
@@ -135,6 +136,22 @@ def test_native_int8_kernel_is_its_dequantised_weight(rows):
     x = torch.randn(rows, 64)
     ref = (x.double() @ lin.dequantized().double().T).float()
     torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+
+
+@native
+def test_row_argmax_is_torch_argmax_with_the_first_index_on_ties():
+    """The sampler's greedy argmax (blocks.cpp, eight lanes then the tail): torch's answer on every
+    row, ties to the first index across lanes and the tail, an all -inf row to token 0."""
+    x = torch.randn(6, 49157, generator=torch.Generator().manual_seed(0))
+    x[1, [5, 13, 40000]] = 9.0  # a tie in two lanes and in a later block: the first index
+    x[2, [49156, 7]] = 9.0  # the tail ties a lane: the lane's earlier index
+    x[3, -1] = 9.0  # the largest in the tail alone
+    x[4] = -math.inf
+    x[5, 0] = 9.0
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
+    assert cpu_kernels.argmax(x).tolist()[:5] == [int(x[0].argmax()), 5, 7, 49156, 0]
+    assert torch.equal(cpu_kernels.argmax(x[:, :3]), x[:, :3].argmax(-1))  # shorter than a lane
+    assert torch.equal(cpu_kernels.argmax(x[:, ::2]), x[:, ::2].argmax(-1))  # not contiguous
 
 
 @native
@@ -186,7 +203,7 @@ def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
     assert exact.wide is None and wide.wide.dtype == torch.bfloat16
     assert cost.module_bytes(wide) == cost.module_bytes(exact)  # a one-row step reads the int4 groups only
     x = torch.randn(rows, 96)
-    few_bf16 = kind == "int4" and cpu_kernels.row_bf16() and rows <= cpu_kernels.tile_rows()  # (next test)
+    few_bf16 = kind == "int4" and cpu_kernels.vnni_tiles() and rows <= cpu_kernels.tile_rows()  # (next test)
     if few_bf16:
         torch.testing.assert_close(wide(x), exact(x), rtol=2e-2, atol=5e-2)
     elif offset < 0:
@@ -203,24 +220,29 @@ def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
 @native
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 10])
 @pytest.mark.parametrize("k", [96, 576, 1536])
-def test_few_int4bf16_rows_multiply_in_bfloat16_where_the_cpu_does(k, rows):
-    """Up to ``tile_rows()`` rows of an int4bf16 linear (4; 9 with AMX): on AVX-512 BF16, bf16 dot
-    products on 16-channel tiles, the product of the bf16-rounded x with the exact Q4_1 weights to
-    float32 rounding, which is not the float32 kernel's; a row's result does not depend on the rows
-    beside it (passes of 4 rows and the rest). More rows, or no bf16 dot products: the float32
-    kernel's bits, or oneDNN's bf16 matmul from ``wide_rows()``."""
+def test_few_int4bf16_rows_multiply_exact_weights_by_two_digit_x_where_the_cpu_does(k, rows):
+    """Up to ``tile_rows()`` rows of an int4bf16 linear (4; 9 with AMX): on AVX-512 VNNI, integer dot
+    products on 16-channel tiles, the product of x in two int8 digits per group (``round_i8x2``)
+    with the exact Q4_1 weights to float32 rounding: far closer to the exact product than bf16
+    rounding of x, and not the float32 kernel's bits; a row's result does not depend on the rows
+    beside it (passes of 4 rows and the rest). More rows, or no VNNI: the float32 kernel's bits, or
+    oneDNN's bf16 matmul from ``wide_rows()``."""
     w = _weight(n=80, k=k, seed=k)
     g = weights.quantize_q4_1(w)
     exact = weights.Int4Linear(g, None, torch.float32, native=True)
     wide = weights.Int4Linear(g, None, torch.float32, native=True, wide=True)
     assert exact.tiles is None
     x = torch.randn(rows, k) * 3
-    x[:, 3] += 40  # a large group sum: the offset the kernel takes off must not cost precision
-    if cpu_kernels.row_bf16() and rows <= cpu_kernels.tile_rows():
+    x[:, 3] += 40  # one large value: the rest of its group keeps 2^-16 of it, not 2^-9 of itself
+    if cpu_kernels.vnni_tiles() and rows <= cpu_kernels.tile_rows():
         assert wide.tiles.shape == (5, k // 32, 320)
-        ref = (x.bfloat16().double() @ exact.dequantized().double().T).float()
+        wd = exact.dequantized().double()
+        ref = (cpu_kernels.round_i8x2(x) @ wd.T).float()
         torch.testing.assert_close(wide(x), ref, rtol=1e-5, atol=1e-5)
         assert not torch.equal(wide(x), exact(x))
+        true = x.double() @ wd.T
+        err, bf16_err = (wide(x) - true).abs().max(), (x.bfloat16().double() @ wd.T - true).abs().max()
+        assert err < bf16_err / 10, (err, bf16_err)
         for r in range(rows):  # the same instructions for every row: the same bits
             assert torch.equal(wide(x[r:r + 1]), wide(x)[r:r + 1])
         fused = weights.fuse([wide, type(wide).cat([wide])])

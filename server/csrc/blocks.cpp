@@ -7,6 +7,7 @@
 // their K/V at this layer is never written, as they never read it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
@@ -309,9 +310,120 @@ void ffn_block(const at::Tensor& h, const at::Tensor& keep, const at::Tensor& no
   residual_add(h, tok, linear(a, down, down_bias, q8_down));
 }
 
+// h [n, T, H] RMS-normalised in place over every position (the final norm), as rms_norm rounds it.
+void norm_all(const at::Tensor& h, const at::Tensor& w, double eps) {
+  const int64_t H = h.size(2), M = h.size(0) * h.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H, "norm weight must be float32 [H]");
+  float* hp = h.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    float* x = hp + m * H;
+    float ss = 0;
+    for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+    const float inv = 1.0f / std::sqrt(ss / H + static_cast<float>(eps));
+    for (int64_t i = 0; i < H; ++i) x[i] = (x[i] * inv) * wp[i];
+  }
+}
+
+// The decoder's layers held on the C++ side, so that a cached forward is one call from Python
+// instead of one per block: converting a block op's twenty arguments costs a few microseconds,
+// about what a one-row block's own work outside its matmuls costs. The cache tensors are the
+// runner's (written in place); the weights are the runner's too, never copied.
+struct FusedStack : torch::CustomClassHolder {
+  struct Layer {
+    at::Tensor attn_norm, ffn_norm, k_cache, v_cache;
+    double attn_eps, ffn_eps, scale;
+    std::vector<at::Tensor> qkv, o, gate_up, down;
+    std::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+    bool q8_qkv, q8_o, q8_gate_up, q8_down;
+  };
+  std::vector<Layer> layers;
+  at::Tensor cos, sin, final_norm;
+  double final_eps;
+  int64_t num_heads, num_kv_heads;
+
+  FusedStack(at::Tensor cos, at::Tensor sin, at::Tensor final_norm, double final_eps, int64_t num_heads,
+             int64_t num_kv_heads)
+      : cos(std::move(cos)), sin(std::move(sin)), final_norm(std::move(final_norm)), final_eps(final_eps),
+        num_heads(num_heads), num_kv_heads(num_kv_heads) {}
+
+  void add_layer(at::Tensor attn_norm, double attn_eps, std::vector<at::Tensor> qkv, std::optional<at::Tensor> qkv_bias,
+                 std::vector<at::Tensor> o, std::optional<at::Tensor> o_bias, at::Tensor k_cache, at::Tensor v_cache,
+                 double scale, bool q8_qkv, bool q8_o, at::Tensor ffn_norm, double ffn_eps,
+                 std::vector<at::Tensor> gate_up, std::optional<at::Tensor> gate_up_bias, std::vector<at::Tensor> down,
+                 std::optional<at::Tensor> down_bias, bool q8_gate_up, bool q8_down) {
+    layers.push_back({std::move(attn_norm), std::move(ffn_norm), std::move(k_cache), std::move(v_cache), attn_eps,
+                      ffn_eps, scale, std::move(qkv), std::move(o), std::move(gate_up), std::move(down),
+                      std::move(qkv_bias), std::move(o_bias), std::move(gate_up_bias), std::move(down_bias), q8_qkv,
+                      q8_o, q8_gate_up, q8_down});
+  }
+
+  // Every block j on the rows whose columns[j] is set (columns: bool [2L, n]), then the final norm,
+  // all in place on h.
+  void forward(const at::Tensor& h, const at::Tensor& columns, const at::Tensor& slots, const at::Tensor& starts,
+               const at::Tensor& lengths) {
+    check_h(h);
+    const int64_t L = layers.size();
+    TORCH_CHECK(columns.scalar_type() == at::kBool && columns.is_contiguous() && columns.dim() == 2 &&
+                    columns.size(0) == 2 * L && columns.size(1) == h.size(0),
+                "columns must be contiguous bool [2 * layers, rows]");
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& f = layers[i];
+      attn_block(h, columns[2 * i], f.attn_norm, f.attn_eps, f.qkv, f.qkv_bias, f.o, f.o_bias, cos, sin, f.k_cache,
+                 f.v_cache, slots, starts, lengths, num_heads, num_kv_heads, f.scale, f.q8_qkv, f.q8_o);
+      ffn_block(h, columns[2 * i + 1], f.ffn_norm, f.ffn_eps, f.gate_up, f.gate_up_bias, f.down, f.down_bias, lengths,
+                f.q8_gate_up, f.q8_down);
+    }
+    norm_all(h, final_norm, final_eps);
+  }
+};
+
+// The first index of each row's largest value, x [B, V] float32 -> int64 [B] (torch.argmax's
+// answer for finite rows; a NaN counts as no value). One pass at memory speed: torch's CPU argmax
+// took ~70 µs on a 49k vocabulary, as much as a dozen of a one-row step's blocks.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "x must be a contiguous float32 [B, V] tensor");
+  const int64_t B = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = xp + b * V;
+    // eight lanes keep their own best value and index; the first-index tie rule is applied after
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    __m256i best_i = _mm256_set1_epi32(-1), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    int64_t j = 0;
+    for (; j + 8 <= V; j += 8, idx = _mm256_add_epi32(idx, step)) {
+      const __m256 v = _mm256_loadu_ps(row + j);
+      const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  // strictly greater: a lane keeps its first
+      best = _mm256_blendv_ps(best, v, gt);
+      best_i = _mm256_blendv_epi8(best_i, idx, _mm256_castps_si256(gt));
+    }
+    alignas(32) float bv[8];
+    alignas(32) int32_t bi[8];
+    _mm256_store_ps(bv, best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bi), best_i);
+    float top = -INFINITY;
+    int64_t at = -1;
+    for (int l = 0; l < 8; ++l)
+      if (bi[l] >= 0 && (bv[l] > top || (bv[l] == top && bi[l] < at))) top = bv[l], at = bi[l];
+    for (; j < V; ++j)
+      if (row[j] > top) top = row[j], at = j;
+    op[b] = at < 0 ? 0 : at;  // all -inf (or NaN): the first token, as torch answers for -inf
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(igserve, lib) {
+  lib.class_<FusedStack>("FusedStack")
+      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t>())
+      .def("add_layer", &FusedStack::add_layer)
+      .def("forward", &FusedStack::forward);
+  lib.def("argmax_rows(Tensor x) -> Tensor");
   lib.def(
       "attn_block(Tensor(a!) h, Tensor keep, Tensor norm_w, float eps, Tensor[] qkv, Tensor? qkv_bias, Tensor[] o, "
       "Tensor? o_bias, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor starts, "
@@ -324,6 +436,7 @@ TORCH_LIBRARY_FRAGMENT(igserve, lib) {
 TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
   lib.impl("attn_block", attn_block);
   lib.impl("ffn_block", ffn_block);
+  lib.impl("argmax_rows", argmax_rows);
 }
 
 TORCH_LIBRARY_IMPL(igserve, MkldnnCPU, lib) {  // int4bf16 layers' oneDNN weights (weight_only.cpp)

@@ -15,8 +15,8 @@
 // AVX-512 VNNI a single row runs q8_tile_row instead, over the same groups laid out in 16-channel tiles.
 //
 // int4bf16 (a linear that carries a bf16 copy, `wide`): from wide_rows() rows oneDNN's bf16 matmul;
-// up to tile_rows() rows, on a CPU with AVX-512 BF16 (checked at run time), bf16 dot products on
-// the same 16-channel tiles (q4_tile_bf16) first.
+// up to tile_rows() rows, on a CPU with AVX-512 VNNI (checked at run time), integer dot products of
+// the exact weights with x in two int8 digits, on the same 16-channel tiles (q4_tile_i8x2), first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -24,6 +24,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <type_traits>
 #include <vector>
@@ -174,14 +176,6 @@ inline void tile_q4_row(const Q4& w, const float* __restrict x, int64_t n0, floa
   for (int c = 0; c < NC; ++c) y[n0 + c] = hsum(acc[c]) + min_term(ch[c].dm, w.xsum, w.G);
 }
 
-#define IGSERVE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
-
-bool has_bf16_dot() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return yes;
-}
-
 // Activations rounded to int8 per row and group of 32: q8[K] in the weights' nibble order per group
 // (elements 0..7, 16..23, 8..15, 24..31, see Q4), d[G] = absmax / 127, s[G] = d * sum(q), and
 // optionally the rounded values d * q as float32 in natural order.
@@ -281,100 +275,106 @@ IGSERVE_VNNI void q8_tile_row(const uint8_t* tiles, const Q8Rows& x, int64_t t0,
   }
 }
 
-// int4bf16's few rows on AVX-512 BF16, over the same tiles: x rounded to bf16 once per call, in
-// q8_row's order per group so that four consecutive values meet one channel's four nibbles of a block.
-// A nibble q becomes a bf16 weight by bit operations alone: 0x3F80 | q << 3 is 1 + q/16 exactly.
-// Each vdpbf16ps covers 8 channels x 2 pairs of positions (fp32 lane 2c + h: channel c, positions
-// 4j + 2h, 4j + 2h + 1 and 16 on), its x a 64-bit broadcast, so a lane sums S = sum (1 + q/16) x over
-// the positions of its parity h; once per group it takes off that parity's sum of x (the offset, in
-// the lane where it was added) and scales by 16 d. Then sum (d q + m) x = 16 d (S - sum x) + m sum x;
-// even and odd lanes are added once per tile. Every row runs the same instructions in the same order,
-// so a row's result does not depend on its batch.
-struct Bf16Rows {
-  std::vector<uint16_t> x;  // [R, K]: bf16, q8_row's order per group
-  std::vector<float> s;     // [R, G, 2]: per group, the sums of the rounded x at parity 0 and 1
+// int4bf16's few rows on AVX-512 VNNI, over the same tiles. Each row's x, per group of 32, as two
+// int8 digits: x ~ e (256 a + b), e = absmax / (127 * 256), a = round(x / 256e), b = round of the
+// rest / e; in q8_row's order, so that four consecutive bytes meet one channel's four nibbles of a
+// block. A group's dot product with the nibbles is then one integer, S = 256 sum(q a) + sum(q b),
+// |S| < 2^24 and so exact in float32 too: the weights are exact and x is kept to 2^-16 of its
+// group's largest value, tighter than bf16's 2^-9 of each value. Then sum (d q + m) x = d e S + m s,
+// s = e sum(256 a + b), the sum of the same rounded x (with the min term on the rounded x the
+// rounding errors meet the centred weights d q + m, not the larger d q). A group with a NaN or an
+// infinity gets e = NaN, so it reaches the output. Every row runs the same instructions in the same
+// order, so a row's result does not depend on its batch.
+struct I8x2Rows {
+  std::vector<int8_t> a, b;  // [R, K] each, q8_row's order per group
+  std::vector<float> e, s;   // [R, G]: the digits' unit e and the sum of the rounded x per group
   int64_t K, G;
 };
 
-IGSERVE_BF16 Bf16Rows bf16_rows(const float* x, int64_t R, int64_t K) {
+IGSERVE_VNNI I8x2Rows i8x2_rows(const float* x, int64_t R, int64_t K) {
   const int64_t G = K / GROUP;
-  Bf16Rows r{std::vector<uint16_t>(R * K), std::vector<float>(R * G * 2), K, G};
+  I8x2Rows r{std::vector<int8_t>(R * K), std::vector<int8_t>(R * K), std::vector<float>(R * G),
+             std::vector<float>(R * G), K, G};
   for (int64_t i = 0; i < R * G; ++i) {
     const float* xg = x + i * GROUP;
-    const __m256i a = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xg));       // elements 0..15
-    const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xg + 16));  // 16..31
-    const __m256i lo = _mm256_permute2x128_si256(a, b, 0x20), hi = _mm256_permute2x128_si256(a, b, 0x31);
-    uint16_t* o = r.x.data() + i * GROUP;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), lo);       // 0..7, 16..23
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), hi);  // 8..15, 24..31
-    const __m512 u = _mm512_add_ps(_mm512_cvtpbh_ps((__m256bh)lo), _mm512_cvtpbh_ps((__m256bh)hi));  // position p and p + 16
-    r.s[2 * i] = _mm512_mask_reduce_add_ps(0x3333, u);      // (p / 2) % 2 == 0
-    r.s[2 * i + 1] = _mm512_mask_reduce_add_ps(0xCCCC, u);
+    const __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);  // elements 0..15, 16..31
+    const float unit = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.0f;
+    const bool any = unit > 0;  // false for an all-zero group (and a NaN one: its sum carries the NaN)
+    const __m512 vunit = _mm512_set1_ps(unit), ia = _mm512_set1_ps(any ? 1.0f / unit : 0.0f),
+                 ib = _mm512_set1_ps(any ? 256.0f / unit : 0.0f);
+    __m128i da[2], db[2];
+    __m512i total = _mm512_setzero_si512();  // sum of 256 a + b
+    for (int h = 0; h < 2; ++h) {
+      const __m512 v = h ? hi : lo;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(v, ia));  // round to nearest even, |qa| <= 127
+      const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), vunit, v);
+      const __m512i qb = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(rest, ib)),
+                                                           _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
+      da[h] = _mm512_cvtepi32_epi8(qa);
+      db[h] = _mm512_cvtepi32_epi8(qb);
+      total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_slli_epi32(qa, 8), qb));
+    }
+    for (int k = 0; k < 2; ++k) {  // q8_row's order: elements 0..7, 16..23, 8..15, 24..31
+      int8_t* o = (k ? r.b : r.a).data() + i * GROUP;
+      const __m128i* d = k ? db : da;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_unpacklo_epi64(d[0], d[1]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm_unpackhi_epi64(d[0], d[1]));
+    }
+    const bool finite = std::isfinite(_mm512_reduce_add_ps(_mm512_add_ps(lo, hi)));
+    r.e[i] = finite ? unit / 256.0f : std::numeric_limits<float>::quiet_NaN();
+    r.s[i] = r.e[i] * static_cast<float>(_mm512_reduce_add_epi32(total));  // |sum| < 2^24: exact
   }
   return r;
 }
 
 // RB rows from r0 against tile t.
 template <int RB>
-IGSERVE_BF16 void q4_tile_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t r0, int64_t t, float* y, int64_t N) {
-  const __m512i one = _mm512_set1_epi16(0x3F80), bits = _mm512_set1_epi16(0x78);
-  const __m512i lo8 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i hi8 = _mm512_add_epi32(lo8, _mm512_set1_epi32(8));
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512 sixteen = _mm512_set1_ps(16.0f);
+IGSERVE_VNNI void q4_tile_i8x2(const uint8_t* tiles, const I8x2Rows& x, int64_t r0, int64_t t, float* y, int64_t N) {
+  const __m512i low = _mm512_set1_epi8(15);
   const uint8_t* p = tiles + t * x.G * TILE_BYTES;
-  __m512 a0[RB], a1[RB], a2[RB];  // channels 0..7 and 8..15 in lane pairs; the min term
-  for (int r = 0; r < RB; ++r) a0[r] = a1[r] = a2[r] = _mm512_setzero_ps();
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.G; ++g, p += TILE_BYTES) {
     prefetch_tile_group(p);
-    __m512 s0[RB], s1[RB];
-    for (int r = 0; r < RB; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+    __m512i sa[RB], sb[RB];
+    for (int r = 0; r < RB; ++r) sa[r] = sb[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j)));
-      const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32)));
-      // (a & b) | c: the nibble moved to mantissa bits 3..6, under the exponent of 1
-      const __m512bh w0l = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v0, 3), bits, one, 0xEA);
-      const __m512bh w0h = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 1), bits, one, 0xEA);
-      const __m512bh w1l = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v1, 3), bits, one, 0xEA);
-      const __m512bh w1h = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 1), bits, one, 0xEA);
+      const __m512i v = _mm512_loadu_si512(p + 64 * j);
+      const __m512i wl = _mm512_and_si512(v, low), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 #pragma GCC unroll 4
       for (int r = 0; r < RB; ++r) {
-        const uint16_t* xg = x.x.data() + (r0 + r) * x.K + g * GROUP + 4 * j;
-        const __m512bh xl = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg));
-        const __m512bh xh = (__m512bh)_mm512_set1_epi64(*reinterpret_cast<const long long*>(xg + 16));
-        s0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(s0[r], w0l, xl), w0h, xh);
-        s1[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(s1[r], w1l, xl), w1h, xh);
+        const int64_t at = (r0 + r) * x.K + g * GROUP;
+        const int32_t* xa = reinterpret_cast<const int32_t*>(x.a.data() + at);
+        const int32_t* xb = reinterpret_cast<const int32_t*>(x.b.data() + at);
+        sa[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sa[r], wl, _mm512_set1_epi32(xa[j])), wh,
+                                    _mm512_set1_epi32(xa[j + 4]));
+        sb[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sb[r], wl, _mm512_set1_epi32(xb[j])), wh,
+                                    _mm512_set1_epi32(xb[j + 4]));
       }
     }
-    const __m512 d16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256))), sixteen);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
-    const __m512 dl = _mm512_permutexvar_ps(lo8, d16), dh = _mm512_permutexvar_ps(hi8, d16);
     for (int r = 0; r < RB; ++r) {
-      const float* xs = x.s.data() + 2 * ((r0 + r) * x.G + g);
-      const __m512 off = _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(xs)));  // [s0, s1] x 8
-      a0[r] = _mm512_fmadd_ps(_mm512_sub_ps(s0[r], off), dl, a0[r]);
-      a1[r] = _mm512_fmadd_ps(_mm512_sub_ps(s1[r], off), dh, a1[r]);
-      a2[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[0] + xs[1]), a2[r]);
+      const int64_t i = (r0 + r) * x.G + g;
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sa[r], 8), sb[r]));  // exact
+      acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(x.e[i])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[i]), acc[r]);
     }
   }
-  for (int r = 0; r < RB; ++r) {
-    const __m512 dot = _mm512_add_ps(_mm512_permutex2var_ps(a0[r], even, a1[r]), _mm512_permutex2var_ps(a0[r], odd, a1[r]));
-    _mm512_storeu_ps(y + (r0 + r) * N + t * TILE_CH, _mm512_add_ps(dot, a2[r]));
-  }
+  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(y + (r0 + r) * N + t * TILE_CH, acc[r]);
 }
 
 // All R rows against tiles [t0, t1): per tile, the rows in passes of up to 4 (the tile stays in L1).
-IGSERVE_BF16 void q4_tiles_bf16(const uint8_t* tiles, const Bf16Rows& x, int64_t R, int64_t t0, int64_t t1, float* y,
+IGSERVE_VNNI void q4_tiles_i8x2(const uint8_t* tiles, const I8x2Rows& x, int64_t R, int64_t t0, int64_t t1, float* y,
                                 int64_t N) {
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
       const int64_t n = std::min<int64_t>(4, R - r0);
-      if (n == 4) q4_tile_bf16<4>(tiles, x, r0, t, y, N);
-      else if (n == 3) q4_tile_bf16<3>(tiles, x, r0, t, y, N);
-      else if (n == 2) q4_tile_bf16<2>(tiles, x, r0, t, y, N);
-      else q4_tile_bf16<1>(tiles, x, r0, t, y, N);
+      if (n == 4) q4_tile_i8x2<4>(tiles, x, r0, t, y, N);
+      else if (n == 3) q4_tile_i8x2<3>(tiles, x, r0, t, y, N);
+      else if (n == 2) q4_tile_i8x2<2>(tiles, x, r0, t, y, N);
+      else q4_tile_i8x2<1>(tiles, x, r0, t, y, N);
     }
 }
 
@@ -414,7 +414,7 @@ constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run
 // kernels between the few-row bf16 path and it (README, "Weight formats").
 // IGSERVE_WIDE_ROWS overrides the choice, to measure it.
 constexpr int64_t WIDE_ROWS = 14, WIDE_ROWS_AMX = EXPAND_ROWS + 1;
-// Up to tile_rows() rows an int4bf16 linear runs its tiles in bf16 dot products (above that, the
+// Up to tile_rows() rows an int4bf16 linear runs its tiles (q4_tile_i8x2; above that, the
 // float32 kernels or oneDNN). With AMX that reaches past wide_from(): the tiles, read once for all
 // rows, beat oneDNN's matmul up to about 9 rows (hand-run, README "Weight formats"); elsewhere 4,
 // as measured with the earlier per-channel bf16 kernel. IGSERVE_TILE_ROWS overrides it, to measure it.
@@ -580,8 +580,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                      const std::optional<at::Tensor>& wide, const std::optional<at::Tensor>& tiles_) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2;
   check_x(x, K);
-  const bool bf16_tiles = !q8 && tiles_ && tiles_->defined() && x.size(0) <= tile_rows() && has_bf16_dot();
-  if (!bf16_tiles)
+  const bool row_tiles = !q8 && tiles_ && tiles_->defined() && x.size(0) <= tile_rows() && has_vnni();
+  if (!row_tiles)
     if (auto y = wide_or_none(x, wide, N, K)) return *y;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs must be contiguous uint8 [N, K/2]");
   TORCH_CHECK(dm.scalar_type() == at::kInt && dm.is_contiguous() && dm.numel() == N * (K / GROUP),
@@ -597,10 +597,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                 "tiles must be contiguous uint8 [N/16, K/32, 320]");
     tp = tiles_->data_ptr<uint8_t>();
   }
-  // int4bf16's few rows: bf16 dot products on the tiles where the CPU has them
-  if (bf16_tiles) {
-    const Bf16Rows xb = bf16_rows(x.data_ptr<float>(), R, K);
-    at::parallel_for(0, N / TILE_CH, 2, [&](int64_t b, int64_t e) { q4_tiles_bf16(tp, xb, R, b, e, yp, N); });
+  // int4bf16's few rows: two-digit int8 dot products on the tiles where the CPU has VNNI
+  if (row_tiles) {
+    const I8x2Rows xd = i8x2_rows(x.data_ptr<float>(), R, K);
+    at::parallel_for(0, N / TILE_CH, 2, [&](int64_t b, int64_t e) { q4_tiles_i8x2(tp, xd, R, b, e, yp, N); });
   } else if (!q8 && R == 1) {
     const float* xp = x.data_ptr<float>();
     std::vector<float> xsum(K / GROUP);
@@ -649,15 +649,13 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 
 int64_t wide_rows() { return wide_from(); }
 int64_t bf16_tile_rows() { return tile_rows(); }
-bool row_bf16() { return has_bf16_dot(); }
-bool q8_tiles() { return has_vnni(); }
+bool vnni_tiles() { return has_vnni(); }
 
 TORCH_LIBRARY(igserve, lib) {
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor dm, bool q8=False, Tensor? wide=None, Tensor? tiles=None) -> Tensor");
   lib.def("wide_rows() -> int", wide_rows);
   lib.def("tile_rows() -> int", bf16_tile_rows);
-  lib.def("row_bf16() -> bool", row_bf16);
-  lib.def("q8_tiles() -> bool", q8_tiles);
+  lib.def("vnni_tiles() -> bool", vnni_tiles);
   lib.def("i8_linear(Tensor x, Tensor q, Tensor scales, Tensor? wide=None) -> Tensor");
 }
 

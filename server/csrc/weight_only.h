@@ -6,7 +6,7 @@ namespace igserve {
 // x [R, K] float32 @ W^T for Q4_1 W (qs [N, K/2] nibbles, dm [N, K/32] fp16 d|m) -> [R, N];
 // q8: x rounded to int8 per group of 32 first; wide: int4bf16's bf16 weight [N, K], used from wide_rows()
 // rows; tiles: the same groups in 16-channel tiles (uint8 [N/16, K/32, 320]), used for one row of q8
-// (AVX-512 VNNI) and up to tile_rows() rows of int4bf16 (AVX-512 BF16) (weight_only.cpp)
+// (AVX-512 VNNI) and up to tile_rows() rows of int4bf16 (AVX-512 VNNI too) (weight_only.cpp)
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8 = false,
                      const std::optional<at::Tensor>& wide = std::nullopt,
                      const std::optional<at::Tensor>& tiles = std::nullopt);
