@@ -62,11 +62,13 @@ def test_llama_bench_reports_the_fallback_form_for_formats_that_needed_it(tmp_pa
 
 def test_batch1_decode_is_set_beside_llama_bench_at_the_same_format():
     """igserve's int4 formats are compared with Q4_1 (as llama-bench runs it, and in its fallback
-    form where llama-server needed one); a format llama-bench did not run gives no entry."""
+    form where llama-server needed one) at llama-bench's depth, the figure after a longer prompt
+    beside it; a format llama-bench did not run gives no entry."""
     bench = {"Q4_1": 200.0, "Q4_1 --no-repack": 100.0, "BF16": 50.0}
-    got = compare.batch1_decode(150.0, "int4bf16", bench)
+    got = compare.batch1_decode(150.0, "int4bf16", bench, deep_tok_s=120.0)
     assert got["llama_format"] == "Q4_1" and got["ratio"] == 0.75 and got["ok"] is False
     assert got["ratio_vs_fallback"] == 1.5 and got["llama_bench_fallback"] == "--repack 0"
+    assert got["prompt_tokens"] == 1 and (got["deep_prompt_tokens"], got["igserve_dense_tok_s_deep"]) == (128, 120.0)
     bf16 = compare.batch1_decode(60.0, "bf16", bench)
     assert bf16["ok"] is True and "ratio_vs_fallback" not in bf16
     assert compare.batch1_decode(60.0, "fp32", bench) is None
