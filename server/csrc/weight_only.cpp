@@ -411,7 +411,7 @@ constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run
 // oneDNN's bf16 matmul instead of the float32 kernels below. The crossover: on AVX-512 BF16
 // between 12 and 16 rows (bench/results/kernels*.json); with AMX tiles oneDNN reads the bf16
 // weights at memory speed from a few rows on and wins from 5, so nothing is left for the float32
-// kernels between the few-row bf16 path and it (README, "Weight formats").
+// kernels between the few-row tiles and it (README, "Weight formats").
 // IGSERVE_WIDE_ROWS overrides the choice, to measure it.
 constexpr int64_t WIDE_ROWS = 14, WIDE_ROWS_AMX = EXPAND_ROWS + 1;
 // Up to tile_rows() rows an int4bf16 linear runs its tiles (q4_tile_i8x2; above that, the
