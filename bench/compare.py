@@ -45,6 +45,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--formats", default=",".join(LLAMA_FORMATS), help="llama-server GGUF formats")
     parser.add_argument("--weights", default="auto", help="igserve --weights")
+    parser.add_argument("--batch1-weights", default="bf16,fp32",
+                        help="igserve formats whose runner batch-1 decode is also set beside llama-bench's "
+                             "same format (the served format's always is)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--prompts", default=str(PROMPTS))
     parser.add_argument("--timeout", type=float, default=900.0)
@@ -205,6 +208,21 @@ def batch1_decode(igserve_tok_s: float | None, weights: str | None, bench: dict[
     return out
 
 
+def batch1_decodes(served: str, others: list[str], bench: dict[str, float], measure) -> dict:
+    """``batch1_decode`` for the served format, and ``batch1_decode_other_formats`` {format: the same}
+    for each of ``others`` that llama-bench ran at its same format; ``measure(weights, prompt_tokens)``
+    gives igserve's runner figure."""
+    out = {}
+    for weights in [served] + [w for w in others if w and w != served and SAME_FORMAT.get(w) in bench]:
+        deep = measure(weights, BATCH1_DEEP_PROMPT_TOKENS)
+        if one_row := batch1_decode(measure(weights, BATCH1_PROMPT_TOKENS), weights, bench, deep):
+            if weights == served:
+                out["batch1_decode"] = one_row
+            else:
+                out.setdefault("batch1_decode_other_formats", {})[weights] = one_row
+    return out
+
+
 def plot(runs: list[dict], path: str) -> None:
     import matplotlib
 
@@ -259,17 +277,17 @@ def run(args) -> int:
                 runs.append({"server": "igserve", "format": health.get("weights", "?"), **r})
         finally:
             _stop(proc)
-    decode = deep = None
-    if not args.skip_igserve and health.get("weights"):
-        from bench.decode import dense_decode_tok_s
-
-        print(f"igserve runner batch-1 decode ({health['weights']})", flush=True)
-        decode, deep = (dense_decode_tok_s(args.model, health["weights"], prompt_tokens=n, new_tokens=args.max_tokens)
-                        for n in (BATCH1_PROMPT_TOKENS, BATCH1_DEEP_PROMPT_TOKENS))
     bench = llama_bench(root, files, args.max_tokens, {r["format"] for r in runs if r.get("extra_args")})
     accepted = acceptance(runs, client_counts)
-    if one_row := batch1_decode(decode, health.get("weights"), bench, deep):
-        accepted["batch1_decode"] = one_row
+    served = health.get("weights") if not args.skip_igserve else None
+    if served:
+        from bench.decode import dense_decode_tok_s
+
+        def measure(weights: str, prompt_tokens: int) -> float:
+            print(f"igserve runner batch-1 decode ({weights}, {prompt_tokens}-token prompt)", flush=True)
+            return dense_decode_tok_s(args.model, weights, prompt_tokens=prompt_tokens, new_tokens=args.max_tokens)
+
+        accepted.update(batch1_decodes(served, args.batch1_weights.split(","), bench, measure))
     result = {
         "runs": runs,
         "acceptance": accepted,

@@ -269,18 +269,20 @@ def write_report(report: dict, json_path: Path, plot_path: Path | None, plot) ->
 
 
 def seed_from_reports(reports: list[Path], cache: Path, fingerprint: str, max_len: int,
-                      domains: dict[str, list[str]], weights: str = "fp32") -> int:
+                      domains: dict[str, list[str]], weights: str = "fp32", activations: str = "float32") -> int:
     """Fill the score cache from earlier reports of the same documents and window (their bank's masks)."""
-    from masks.labels import seed_cache
+    from masks.labels import keyed_activations, seed_cache
 
     texts = [t for d in domains for t in domains[d]]
     stored = 0
     for path in reports:
         old = json.loads(path.read_text())
-        if old["max_len"] != max_len or len(old["documents"]) != len(texts) or old.get("weights", "fp32") != weights:
-            raise SystemExit(f"{path}: other documents, window or weight format than this run")
+        fmt = old.get("weights", "fp32")
+        if (old["max_len"] != max_len or len(old["documents"]) != len(texts) or fmt != weights
+                or old.get("activations", keyed_activations(fmt)) != activations):
+            raise SystemExit(f"{path}: other documents, window, weight format or activations than this run")
         stored += seed_cache(cache, fingerprint, max_len, texts, MaskBank.load(old["bank"]).mask_tensors(), old["documents"],
-                             weights)
+                             weights, activations)
     return stored
 
 
@@ -297,11 +299,14 @@ def run(args: argparse.Namespace) -> int:
     runner = BlockRunner(lm.model, max_batch=1, max_len=args.max_len)
     bank.check_model(lm.fingerprint, runner.num_blocks)
     domains = {d: texts[: args.docs_per_domain] for d, texts in load_domain_dir(args.data).items()}
-    seeded = seed_from_reports(args.seed_from, args.cache, lm.fingerprint, args.max_len, domains, lm.weights)
+    activations = str(runner.dtype).removeprefix("torch.")
+    seeded = seed_from_reports(args.seed_from, args.cache, lm.fingerprint, args.max_len, domains, lm.weights,
+                               activations)
     s = bank.sparsity if args.budget is None else args.budget
     emb = embed([t for d in domains for t in domains[d]])
     routes = route_methods(bank, emb, s)
-    report = {"bank": str(args.bank), "model": lm.name, "weights": lm.weights, "data": str(args.data),
+    report = {"bank": str(args.bank), "model": lm.name, "weights": lm.weights, "activations": activations,
+              "data": str(args.data),
               "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,
               "command": args.invocation, "cpu_flags": cpu_flags(),
               "router": bank.router.get("kind", "centroid"), "ood": bank.ood, "masks_seeded_from_reports": seeded}

@@ -1,8 +1,8 @@
 """Per-document loss of every candidate mask: the router's training labels and the held-out scores.
 
 Scoring one document under one mask is the expensive unit (a full forward of the LM), so results
-are cached on disk per mask (by its bits, the model fingerprint, the weight format and the token
-window) and per document (by a hash of its text): adding candidates or documents later scores only
+are cached on disk per mask (by its bits, the model fingerprint, the weight format, the activations'
+dtype and the token window) and per document (by a hash of its text): adding candidates or documents later scores only
 what is new, and the same cache serves ``igserve eval``. Labels need only NLL, so they are scored
 one mask at a time and saved after each (resumable); with ``kl`` the masks are scored together
 against one dense forward per batch.
@@ -27,11 +27,23 @@ def mask_key(mask: torch.Tensor) -> str:
     return "".join("1" if v else "0" for v in mask.tolist())
 
 
+# the activations a format's scores were cached with while keys named the format alone (bf16 then
+# ran in bfloat16 throughout; it now runs float32 activations where igserve's kernels do)
+KEYED_ACTIVATIONS = {"bf16": "bfloat16"}
+
+
+def keyed_activations(weights: str) -> str:
+    return KEYED_ACTIVATIONS.get(weights, "float32")
+
+
 class ScoreCache:
     """{mask: {doc hash: (tokens, nll, kl or None)}} on disk, one file per mask."""
 
-    def __init__(self, root: Path | None, fingerprint: str, max_len: int, weights: str = "fp32"):
+    def __init__(self, root: Path | None, fingerprint: str, max_len: int, weights: str = "fp32",
+                 activations: str | None = None):
         key = f"{fingerprint}-{max_len}" + ("" if weights == "fp32" else f"-{weights}")  # fp32: the original key
+        if activations not in (None, keyed_activations(weights)):
+            key += f"-{activations}"
         self.root, self.prefix = root, hashlib.sha256(key.encode()).hexdigest()[:10]
         self.rows: dict[str, dict] = {}
 
@@ -97,7 +109,7 @@ def score_documents(runner, tokenizer, fingerprint: str, texts: list[str], masks
     """{"tokens": [n], "nll": {id: [n]}, "kl": {id: [n]} (with ``kl``), "scored": pairs scored now}: summed
     NLL and KL(dense || masked) over each document's predicted tokens, with the linears in ``weights``.
     Only (mask, document) pairs missing from ``cache`` are scored."""
-    store = ScoreCache(cache, fingerprint, max_len, weights)
+    store = ScoreCache(cache, fingerprint, max_len, weights, str(runner.dtype).removeprefix("torch."))
     hashes = [text_hash(t) for t in texts]
     todo = _missing(store, masks, hashes, kl)
     if kl and todo:
@@ -119,10 +131,10 @@ def score_documents(runner, tokenizer, fingerprint: str, texts: list[str], masks
 
 
 def seed_cache(cache: Path, fingerprint: str, max_len: int, texts: list[str], masks: dict[str, torch.Tensor],
-               documents: list[dict], weights: str = "fp32") -> int:
+               documents: list[dict], weights: str = "fp32", activations: str | None = None) -> int:
     """Store per-document scores of an earlier ``igserve eval`` report (its ``documents``, in the order of
     ``texts``) so that those masks are not scored again. Returns how many masks were stored."""
-    store = ScoreCache(cache, fingerprint, max_len, weights)
+    store = ScoreCache(cache, fingerprint, max_len, weights, activations)
     stored = 0
     for m, t in masks.items():
         if m in documents[0]["nll"]:

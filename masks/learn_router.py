@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     saved = {"dense": 0.0, **{k: runner.cost.compute_saved(torch.as_tensor(p["mask"])) for k, p in pool.items()}}
     bank = build_routed_bank(source, pool, docs, labels, budgets, saved, args)
     bank.training["labels"] = {"documents": len(docs), "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,
-                               "weights": lm.weights,
+                               "weights": lm.weights, "activations": str(runner.dtype).removeprefix("torch."),
                                "masks": len(pool) + 1, "pairs_scored": labels["scored"],
                                "seconds": label_seconds}  # this run's: pairs found in the cache cost nothing
     bank.save(args.out)

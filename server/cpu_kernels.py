@@ -189,3 +189,9 @@ def round_i8x2(x2: torch.Tensor) -> torch.Tensor:
 def i8_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, wide: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [R, K] float32 @ (q * scales[:, None])^T -> [R, N] float32; ``wide`` as for ``q4_linear``."""
     return torch.ops.igserve.i8_linear(x2, q, scales, wide)
+
+
+def bf16_linear(x2: torch.Tensor, w: torch.Tensor, wide: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [R, K] float32 @ W^T for a bfloat16 W [N, K] -> [R, N] float32: each weight widened to float32
+    (exact), so the product is the float32 one with W's values; ``wide`` as for ``q4_linear``."""
+    return torch.ops.igserve.bf16_linear(x2, w, wide)

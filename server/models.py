@@ -85,8 +85,10 @@ def resolve_weights(weights: str, dtype: str = "auto", device: str = "cpu") -> t
                 torch.float32 if weights == "fp32" else torch.bfloat16)
     if weights == "fp32":
         return "fp32", torch.float32
-    if weights == "bf16":
-        return "bf16", torch.bfloat16
+    if weights == "bf16":  # float32 activations around igserve's bf16 kernel where it runs (weights.to_bf16)
+        if dtype != "auto":
+            return "bf16", getattr(torch, dtype)
+        return "bf16", torch.float32 if wf.native_kernels(device, torch.float32) else torch.bfloat16
     return weights, wf.activation_dtype(weights, device) if dtype == "auto" else getattr(torch, dtype)
 
 
@@ -220,6 +222,8 @@ def load(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dt
         wf.quantize(model, weights, groups=groups, device=device,  # from the fp32 weights
                     native=wf.native_kernels(device, dtype))
         wf.pin_kernel_dtype(model.to(device=device, dtype=dtype))
+    elif weights == "bf16" and dtype == torch.float32:  # bf16 weights, float32 activations
+        wf.to_bf16(model.to(device=device), native=wf.native_kernels(device, dtype))
     elif weights in ("fp32", "bf16", "fp16"):
         model.to(device=device, dtype=dtype)
     else:

@@ -1,4 +1,4 @@
-"""Weight formats for the runner's linears: fp32, bf16, int8 and int4 weight-only, and int4q8.
+"""Weight formats for the runner's linears: fp32, bf16, int8 and int4 weight-only, int4q8 and int4bf16.
 
 * ``int4`` serves the shipped GGUF's own Q4_1 bits: every 32-weight group keeps its fp16 scale d
   and min m (w = d·q + m, q in 0..15). torch's int4 kernels compute w = (q - 8)·scale + zero, so
@@ -16,6 +16,10 @@
   integer dot products (the weights exact, x in two int8 digits per group: 2^-16 of the group's
   largest value); the rows between run the float32 kernels.
 * ``int8``: symmetric per-output-channel int8 (``_weight_int8pack_mm``), for 16/32-bit models.
+* ``bf16``: bfloat16 weights. With float32 activations (the default where igserve's kernels run)
+  every linear is a ``Bf16Linear``: few rows widen each weight to float32 exactly, ``wide_rows()``
+  rows and more run oneDNN's bf16 matmul on a reordered copy, and the fused blocks take it; with
+  bfloat16 activations the model is plain bf16 ``nn.Linear``s.
 * The tied embedding / lm_head (Q8_0 in the GGUF) is an int8 per-channel lm_head in both
   quantised formats; the embedding lookup stays a table in the activation dtype.
 
@@ -314,6 +318,50 @@ class Int8Linear(_WeightOnlyLinear):
         return self.weight.float() * self.scales.float()[:, None]
 
 
+class Bf16Linear(_WeightOnlyLinear):
+    """y = x W^T (+ b) with W in bfloat16 and float32 x: the ``bf16`` format where activations stay
+    float32. ``native``: igserve's CPU kernel widens each weight to float32 (exact) for calls of fewer
+    than ``wide_rows()`` rows, and from there runs oneDNN's bf16 matmul (x rounded to bf16) on a
+    reordered copy made on first use, as int4bf16 does; otherwise torch's bf16 matmul."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: bool = False):
+        super().__init__()
+        self.native = native
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self._wide = True if native else None
+
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        return torch.float32 if self.native else torch.bfloat16
+
+    def _matmul(self, x2):
+        if self.native:
+            from server import cpu_kernels
+
+            return cpu_kernels.bf16_linear(x2.contiguous(), self.weight, self._wide_for(x2))
+        return F.linear(x2, self.weight)
+
+    @classmethod
+    def cat(cls, parts: list["Bf16Linear"]) -> "Bf16Linear":
+        return _stacked(cls, parts, {"weight": 0, "bias": 0})
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
+
+def to_bf16(model: torch.nn.Module, native: bool = False) -> torch.nn.Module:
+    """Replace the decoder's linears and the lm_head with ``Bf16Linear``s, in place, on a float32
+    model: the ``bf16`` format with float32 activations."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr,
+                    Bf16Linear(module.weight, module.bias, native))
+    return model
+
+
 def _torch_int4_pack(q: torch.Tensor, device) -> torch.Tensor:
     """torch's packed int4 weight from nibbles [N, K]."""
     if str(device).startswith("cuda"):  # untested: tinygemm wants two nibbles per byte, high nibble first
@@ -427,8 +475,8 @@ def native_kernels(device: str, dtype: torch.dtype) -> bool:
 
 def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
     """(weight tensors, bias) as igserve's fused CPU blocks take a linear (server/csrc/blocks.cpp):
-    [qs, dm] for native int4, [q, scales] for native int8 (then the bf16 copy where there is one, and
-    int4's tiles), [weight] for float32; None otherwise."""
+    [qs, dm] for native int4, [q, scales] for native int8, [weight] for native bf16 (then the copy for
+    oneDNN's bf16 matmul where there is one, and int4's tiles), [weight] for float32; None otherwise."""
     if isinstance(linear, torch.nn.Linear) and linear.weight.dtype == torch.float32:
         return [linear.weight.detach()], None if linear.bias is None else linear.bias.detach()
     if isinstance(linear, Int4Linear) and linear.native:
@@ -436,6 +484,8 @@ def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.T
         return [linear.qs, linear.dm] + extra, linear.bias
     if isinstance(linear, Int8Linear) and linear.native:
         return [linear.weight, linear.scales] + ([] if linear.wide is None else [linear.wide]), linear.bias
+    if isinstance(linear, Bf16Linear) and linear.native:
+        return [linear.weight] + ([] if linear.wide is None else [linear.wide]), linear.bias
     return None
 
 

@@ -76,6 +76,24 @@ def test_batch1_decode_is_set_beside_llama_bench_at_the_same_format():
     assert compare.batch1_decode(None, "int4", bench) is None
 
 
+def test_batch1_decode_of_other_formats_goes_beside_the_served_one():
+    """The served format first, then each other format llama-bench ran at its same format (bf16 vs
+    BF16); formats without a llama.cpp counterpart measured here are not run at all."""
+    bench = {"Q4_1": 200.0, "BF16": 50.0}
+    calls = []
+
+    def measure(weights, prompt_tokens):
+        calls.append((weights, prompt_tokens))
+        return {"int4bf16": 210.0, "bf16": 40.0}[weights] + (0 if prompt_tokens == 1 else -10)
+
+    got = compare.batch1_decodes("int4bf16", ["bf16", "fp32", "int4bf16", ""], bench, measure)
+    assert {w for w, _ in calls} == {"int4bf16", "bf16"} and len(calls) == 4
+    assert got["batch1_decode"]["ratio"] == 1.05 and got["batch1_decode"]["igserve_dense_tok_s_deep"] == 200.0
+    assert list(got["batch1_decode_other_formats"]) == ["bf16"]
+    assert got["batch1_decode_other_formats"]["bf16"]["ratio"] == 0.8
+    assert got["batch1_decode_other_formats"]["bf16"]["ok"] is False
+
+
 def test_acceptance_reports_ig_over_dense_at_the_most_clients():
     """igserve's runs carry its weight format as their format; IG/dense is found by mode."""
     run = lambda server, fmt, mode, c, tok: {"server": server, "format": fmt, "mode": mode, "clients": c,

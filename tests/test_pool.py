@@ -99,3 +99,7 @@ def test_score_cache_keeps_weight_formats_apart(tmp_path):
     assert ScoreCache(tmp_path, "fp", 32).get(mask)["doc"][1] == 1.0
     assert ScoreCache(tmp_path, "fp", 32, "bf16").get(mask)["doc"][1] == 2.0
     assert ScoreCache(tmp_path, "fp", 32, "int4").get(mask) == {}
+    # bf16's scores were cached with bfloat16 activations: the same key; float32 ones are kept apart
+    assert ScoreCache(tmp_path, "fp", 32, "bf16", "bfloat16").get(mask)["doc"][1] == 2.0
+    assert ScoreCache(tmp_path, "fp", 32, "bf16", "float32").get(mask) == {}
+    assert ScoreCache(tmp_path, "fp", 32, "fp32", "float32").get(mask)["doc"][1] == 1.0

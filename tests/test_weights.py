@@ -254,8 +254,36 @@ def test_few_int4bf16_rows_multiply_exact_weights_by_two_digit_x_where_the_cpu_d
         assert torch.equal(wide(x), exact(x))
 
 
+@native
+@pytest.mark.parametrize("offset", [-13, -4, -1, 0, 19])
+def test_bf16_linears_widen_few_rows_exactly_and_multiply_many_in_bfloat16(offset):
+    """The ``bf16`` format with float32 activations: below ``wide_rows()`` rows each bf16 weight is
+    widened to float32, so the result is the float32 product with the bf16 weights (to float32
+    rounding, and a row's bits do not depend on the rows beside it from two rows up); from there
+    oneDNN's bf16 matmul, bit-equal to torch's on x rounded to bf16."""
+    rows = max(1, cpu_kernels.wide_rows() + offset)
+    w, bias = _weight(n=67, k=96, seed=rows), torch.randn(67)  # 67: the one-channel tail of every pass
+    lin = weights.Bf16Linear(w, bias, native=True)
+    assert lin.weight.dtype == torch.bfloat16 and lin.bias.dtype == torch.float32
+    assert cost.module_bytes(lin) == 67 * 96 * 2 + 67 * 4  # a step reads the bf16 weight, not the copy
+    x = torch.randn(rows, 96)
+    exact = (x.double() @ lin.weight.double().T + bias.double()).float()
+    if offset < 0:
+        torch.testing.assert_close(lin(x), exact, rtol=1e-5, atol=1e-5)
+        assert (lin(x) - F.linear(x.bfloat16(), lin.weight, bias.bfloat16()).float()).abs().max() > 1e-3
+        if rows > 1:
+            assert torch.equal(lin(x[1:]), lin(x)[1:])
+    else:
+        assert torch.equal(lin(x), F.linear(x.bfloat16(), lin.weight).float() + bias)
+        torch.testing.assert_close(lin(x), exact, rtol=2e-2, atol=5e-2)
+    fused = weights.fuse([lin, type(lin).cat([lin])])
+    assert torch.equal(fused(x), torch.cat([lin(x), lin(x)], -1))
+    tensors, fused_bias = weights.kernel_tensors(fused)
+    assert tensors[0].shape == (134, 96) and tensors[1].dtype == torch.bfloat16 and fused_bias.shape == (134,)
+
+
 @pytest.mark.parametrize("rows", [(64, 32, 32), (128, 64, 64)])
-@pytest.mark.parametrize("kind", ["linear", "int8", "int4", "int4-native", "int8-native"])
+@pytest.mark.parametrize("kind", ["linear", "int8", "int4", "int4-native", "int8-native", "bf16-native"])
 def test_fuse_equals_the_parts(kind, rows):
     """Bit-exact, whichever way the fused linear is built: torch's int4 packing stacks rows only in
     CPU-dependent blocks (64 on AVX-512), so (64, 32, 32) exercises the unstacked path there."""
@@ -273,6 +301,8 @@ def test_fuse_equals_the_parts(kind, rows):
         mods, dtype = [weights.Int8Linear(w, torch.randn(w.shape[0]), torch.bfloat16) for w in parts], torch.bfloat16
     elif kind == "int8-native":
         mods, dtype = [weights.Int8Linear(w, torch.randn(w.shape[0]), torch.float32, native=True) for w in parts], torch.float32
+    elif kind == "bf16-native":
+        mods, dtype = [weights.Bf16Linear(w, torch.randn(w.shape[0]), native=True) for w in parts], torch.float32
     elif kind == "int4-native":
         mods, dtype = [weights.Int4Linear(weights.quantize_q4_1(w), None, torch.float32, native=True) for w in parts], torch.float32
     else:
@@ -291,6 +321,10 @@ def test_resolve_weights():
     assert models.resolve_weights("int4") == ("int4", weights.activation_dtype("int4"))
     assert models.resolve_weights("int4", "float32") == ("int4", torch.float32)
     assert models.resolve_weights("int8", "bfloat16") == ("int8", torch.bfloat16)
+    # bf16 weights: float32 activations around igserve's kernel where it runs, else bf16 throughout
+    native = cpu_kernels.available()
+    assert models.resolve_weights("bf16") == ("bf16", torch.float32 if native else torch.bfloat16)
+    assert models.resolve_weights("bf16", "bfloat16") == ("bf16", torch.bfloat16)
     assert models.resolve_weights("auto")[0] == weights.auto_format()
     with pytest.raises(models.ModelLoadError):
         models.resolve_weights("int3")
@@ -328,6 +362,29 @@ def test_float32_activations_pick_the_kernels(tiny_model_dir):
     ids = torch.tensor([[1, 5, 9, 12, 7]])
     a, b = lm32(ids).logits, lm16(ids).logits.float()
     assert a.dtype == torch.float32 and (a - b).norm() / b.norm() < 0.05
+
+
+def test_bf16_with_float32_activations_is_the_fp32_model_on_bf16_weights(tiny_model_dir):
+    """``--weights bf16`` where igserve's kernels run: every linear (lm_head included) holds bf16
+    weights, activations and the embedding stay float32, the runner takes the fused blocks, and a
+    forward of fewer than ``wide_rows()`` tokens is the float32 model on the bf16-rounded weights
+    to float32 rounding (more tokens: within the bf16 rounding of each linear's input)."""
+    if not cpu_kernels.available():
+        pytest.skip("igserve's CPU kernels are not available here")
+    fmt, dtype = models.resolve_weights("bf16")
+    lm = models.load(str(tiny_model_dir), dtype=dtype, weights=fmt)
+    linears = [m for m in lm.model.modules() if isinstance(m, (torch.nn.Linear, weights._WeightOnlyLinear))]
+    assert linears and all(isinstance(m, weights.Bf16Linear) and m.native for m in linears)
+    assert lm.model.model.embed_tokens.weight.dtype == torch.float32
+    assert BlockRunner(lm.model, max_batch=1, max_len=64).fused is not None
+    ref = weights.dequantized_copy(lm.model)
+    mask = masks_for(8)["mixed"]
+    for n, tol in ((max(1, cpu_kernels.wide_rows() - 1), 1e-5), (30, 3e-2)):
+        ids = torch.tensor(random_prompts(1, [n], seed=2))
+        with torch.no_grad():
+            got = BlockRunner(lm.model, max_batch=1, max_len=64).forward(ids, mask)
+            want = BlockRunner(ref, max_batch=1, max_len=64).forward(ids, mask)
+        assert (got - want).norm() / want.norm() < tol, n
 
 
 def test_cost_counts_params_alike_and_bytes_per_format(tiny_model_dir, tiny):
@@ -374,7 +431,7 @@ def test_bench_kernels_times_every_linear_of_a_step(tiny_model_dir, tmp_path):
 
 # ---------------------------------------------------------------------------- runner per format
 @pytest.fixture(scope="module", params=[("int8", "bfloat16"), ("int4", "bfloat16"), ("int4", "float32"),
-                                        ("int4bf16", "float32"), ("bf16", "bfloat16")])
+                                        ("int4bf16", "float32"), ("bf16", "bfloat16"), ("bf16", "float32")])
 def quantised(request, tiny_model_dir):
     fmt, dtype = request.param
     return models.load(str(tiny_model_dir), dtype=getattr(torch, dtype), weights=fmt)
@@ -399,8 +456,8 @@ def test_cached_decode_equals_forward(quantised):
     prompt = random_prompts(1, [29], seed=2)[0]
     runner = BlockRunner(quantised.model, max_batch=2, max_len=64)
     native = weights.kernels(quantised.model) == "igserve-avx2"
-    # int4bf16: the one-row decode runs the float32 kernels, the whole sequence bfloat16 matmuls
-    exact = runner.dtype == torch.float32 and quantised.weights != "int4bf16" \
+    # int4bf16, bf16: the one-row decode runs the float32 kernels, the whole sequence bfloat16 matmuls
+    exact = runner.dtype == torch.float32 and quantised.weights not in ("int4bf16", "bf16") \
         and (native or quantised.weights not in ("int4", "int8"))
     atol = 1e-4 if exact else 2 ** -6 * 4
     for name in ("mixed", "layers_1_2"):

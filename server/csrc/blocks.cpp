@@ -77,13 +77,17 @@ inline void store8(at::Half* p, __m256 v) {
 }
 
 // y = x W^T (+ b); W as the formats store it: [qs, dm] (Q4_1; q8: int8-rounded activations), [q, scales]
-// (int8) or [weight], then optionally a bf16 copy (int4bf16, int8 with wide) and, for Q4_1, uint8 tiles.
+// (int8), [bf16 weight] or [float32 weight], then optionally a copy for oneDNN's bf16 matmul (int4bf16,
+// int8 with wide, bf16) and, for Q4_1, uint8 tiles.
 at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at::Tensor>& bias, bool q8) {
   TORCH_CHECK(!w.empty(), "a linear needs its weight tensors");
   at::Tensor y;
   std::optional<at::Tensor> wide, tiles;
-  for (size_t i = 2; i < w.size(); ++i) (w[i].scalar_type() == at::kByte ? tiles : wide) = w[i];
-  if (w[0].scalar_type() == at::kByte) {
+  const bool bf16 = !w[0].is_mkldnn() && w[0].scalar_type() == at::kBFloat16;
+  for (size_t i = bf16 ? 1 : 2; i < w.size(); ++i) (w[i].scalar_type() == at::kByte ? tiles : wide) = w[i];
+  if (bf16) {
+    y = igserve::bf16_linear(x, w[0], wide);
+  } else if (w[0].scalar_type() == at::kByte) {
     y = igserve::q4_linear(x, w[0], w[1], q8, wide, tiles);
   } else if (w[0].scalar_type() == at::kChar) {
     y = igserve::i8_linear(x, w[0], w[1], wide);

@@ -4,8 +4,8 @@
 // in registers for up to 4 rows, into a float32 buffer of 12 channels that every row reuses for
 // more (batched decode, prefill chunks). Weights are exactly what the formats store: Q4_1 groups
 // (w = d*q + m, rounded as q*d then + m, as the float reference does; a single row factors the
-// product instead, see tile_q4_row) and int8 per output channel (w = s*q, scaled after the dot
-// product).
+// product instead, see tile_q4_row), int8 per output channel (w = s*q, scaled after the dot
+// product) and bfloat16 (format bf16: widened exactly).
 //
 // q8 (Q4_1 only): the activations are first rounded per row and group of 32 to int8 with one
 // float scale (absmax / 127), as llama.cpp's Q8_1 does. A single row then runs integer dot
@@ -14,8 +14,8 @@
 // product to float32 rounding, so a row's result does not depend on the rows batched with it. On
 // AVX-512 VNNI a single row runs q8_tile_row instead, over the same groups laid out in 16-channel tiles.
 //
-// int4bf16 (a linear that carries a bf16 copy, `wide`): from wide_rows() rows oneDNN's bf16 matmul;
-// up to tile_rows() rows, on a CPU with AVX-512 VNNI (checked at run time), integer dot products of
+// int4bf16 and bf16 (linears that carry a copy for oneDNN, `wide`): from wide_rows() rows oneDNN's bf16
+// matmul; for int4bf16 up to tile_rows() rows, on a CPU with AVX-512 VNNI (checked at run time), integer dot products of
 // the exact weights with x in two int8 digits, on the same 16-channel tiles (q4_tile_i8x2), first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,9 +35,10 @@
 namespace {
 
 constexpr int64_t GROUP = 32;
-// bytes ahead in a channel's weights that one-row tiles prefetch: eight channels read side by side
-// outrun the hardware prefetcher (README, "Benchmarks"); and, as a channel is only K bytes or less,
-// the same place AHEAD channels on (the next one-row tile's), so the next tile does not start cold
+// bytes ahead in a channel's weights that the register tiles prefetch: eight channels read side by
+// side (one row), or two for up to four rows, outrun the hardware prefetcher (README, "Benchmarks");
+// and, as a channel is only K bytes or less, the same place AHEAD channels on (a later tile's), so
+// the next tile does not start cold
 constexpr int64_t PF = 128, AHEAD = 8;
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -105,6 +106,28 @@ struct I8 {
   inline float scale(int64_t n) const { return s[n]; }
 };
 
+// bfloat16 [N, K]: a weight is the high half of its float32, so expanding one is exact (a widening
+// load and a shift) and the products with float32 x are as the float32 reference rounds them.
+struct BF16 {
+  const uint16_t* w;  // [N, K]
+  int64_t K;
+  struct Channel {
+    const uint16_t* w;
+    int64_t ahead;  // elements to the same place in the channel AHEAD rows on
+    inline void prefetch(int64_t g) const {
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP) + PF, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP + ahead), _MM_HINT_T0);
+    }
+    inline void expand(int64_t g, __m256 v[4]) const {
+      for (int i = 0; i < 4; ++i)
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * GROUP + 8 * i))), 16));
+    }
+  };
+  inline Channel channel(int64_t n) const { return {w + n * K, AHEAD * K}; }
+  inline float scale(int64_t) const { return 1.0f; }
+};
+
 // y[r0 .. r0+RB, n0 .. n0+NC]: every weight group is expanded once and used by RB rows; the
 // NC * RB accumulators stay in registers, x is read straight into the FMAs.
 template <int NC, int RB, typename W>
@@ -122,7 +145,7 @@ inline void tile(const W& w, const float* __restrict x, int64_t K, int64_t r0, i
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
       __m256 wv[4];
-      if constexpr (RB == 1) ch[c].prefetch(g);
+      ch[c].prefetch(g);
       ch[c].expand(g, wv);
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
@@ -645,6 +668,18 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return y;
 }
 
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& wide) {
+  const int64_t N = w.size(0), K = w.size(1);
+  check_x(x, K);
+  if (auto y = wide_or_none(x, wide, N, K)) return *y;
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2, "w must be contiguous bfloat16 [N, K]");
+  const int64_t R = x.size(0);
+  at::Tensor y = at::empty({R, N}, x.options());
+  const BF16 wb{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K};
+  run(wb, x.data_ptr<float>(), R, K, y.data_ptr<float>(), N);
+  return y;
+}
+
 }  // namespace igserve
 
 int64_t wide_rows() { return wide_from(); }
@@ -657,15 +692,18 @@ TORCH_LIBRARY(igserve, lib) {
   lib.def("tile_rows() -> int", bf16_tile_rows);
   lib.def("vnni_tiles() -> bool", vnni_tiles);
   lib.def("i8_linear(Tensor x, Tensor q, Tensor scales, Tensor? wide=None) -> Tensor");
+  lib.def("bf16_linear(Tensor x, Tensor w, Tensor? wide=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
   lib.impl("q4_linear", igserve::q4_linear);
   lib.impl("i8_linear", igserve::i8_linear);
+  lib.impl("bf16_linear", igserve::bf16_linear);
 }
 
 // An int4bf16 weight reordered for oneDNN is an MkldnnCPU tensor, which routes the call here.
 TORCH_LIBRARY_IMPL(igserve, MkldnnCPU, lib) {
   lib.impl("q4_linear", igserve::q4_linear);
   lib.impl("i8_linear", igserve::i8_linear);
+  lib.impl("bf16_linear", igserve::bf16_linear);
 }

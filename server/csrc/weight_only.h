@@ -13,4 +13,6 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 // x [R, K] float32 @ (q * scales[:, None])^T, q int8 [N, K] -> [R, N]; wide: as for q4_linear
 at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                      const std::optional<at::Tensor>& wide = std::nullopt);
+// x [R, K] float32 @ W^T for a bfloat16 W [N, K] (each weight widened to float32); wide: as for q4_linear
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& wide = std::nullopt);
 }  // namespace igserve
