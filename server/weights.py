@@ -320,9 +320,10 @@ class Int8Linear(_WeightOnlyLinear):
 
 class Bf16Linear(_WeightOnlyLinear):
     """y = x W^T (+ b) with W in bfloat16 and float32 x: the ``bf16`` format where activations stay
-    float32. ``native``: igserve's CPU kernel widens each weight to float32 (exact) for calls of fewer
-    than ``wide_rows()`` rows, and from there runs oneDNN's bf16 matmul (x rounded to bf16) on a
-    reordered copy made on first use, as int4bf16 does; otherwise torch's bf16 matmul."""
+    float32. ``native``: igserve's CPU kernel widens each weight to float32 (exact); on a CPU that
+    computes in bf16 (``native_bf16``), calls of ``wide_rows()`` rows and more run oneDNN's bf16
+    matmul (x rounded to bf16) on a reordered copy made on first use instead, as int4bf16 does
+    (elsewhere oneDNN would emulate bf16). Otherwise torch's bf16 matmul."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: bool = False):
         super().__init__()
@@ -330,7 +331,7 @@ class Bf16Linear(_WeightOnlyLinear):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self._wide = True if native else None
+        self._wide = True if native and native_bf16() else None
 
     @property
     def kernel_dtype(self) -> torch.dtype:

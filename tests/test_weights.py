@@ -260,7 +260,10 @@ def test_bf16_linears_widen_few_rows_exactly_and_multiply_many_in_bfloat16(offse
     """The ``bf16`` format with float32 activations: below ``wide_rows()`` rows each bf16 weight is
     widened to float32, so the result is the float32 product with the bf16 weights (to float32
     rounding, and a row's bits do not depend on the rows beside it from two rows up); from there
-    oneDNN's bf16 matmul, bit-equal to torch's on x rounded to bf16."""
+    oneDNN's bf16 matmul, bit-equal to torch's on x rounded to bf16, where the CPU computes in bf16
+    (next test otherwise)."""
+    if not weights.native_bf16():
+        pytest.skip("the CPU has no bf16 arithmetic: the float32 kernel runs every row count (next test)")
     rows = max(1, cpu_kernels.wide_rows() + offset)
     w, bias = _weight(n=67, k=96, seed=rows), torch.randn(67)  # 67: the one-channel tail of every pass
     lin = weights.Bf16Linear(w, bias, native=True)
@@ -280,6 +283,16 @@ def test_bf16_linears_widen_few_rows_exactly_and_multiply_many_in_bfloat16(offse
     assert torch.equal(fused(x), torch.cat([lin(x), lin(x)], -1))
     tensors, fused_bias = weights.kernel_tensors(fused)
     assert tensors[0].shape == (134, 96) and tensors[1].dtype == torch.bfloat16 and fused_bias.shape == (134,)
+
+
+@native
+def test_bf16_linears_stay_on_the_float32_kernel_where_the_cpu_lacks_bf16(monkeypatch):
+    """Without AVX-512 BF16 or AMX oneDNN would emulate bf16: every row count widens the weights."""
+    monkeypatch.setattr(weights, "native_bf16", lambda: False)
+    lin = weights.Bf16Linear(_weight(n=48, k=64), None, native=True)
+    x = torch.randn(cpu_kernels.wide_rows() + 20, 64)
+    assert lin.wide is None and weights.kernel_tensors(lin)[0] == [lin.weight]
+    torch.testing.assert_close(lin(x), (x.double() @ lin.weight.double().T).float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [(64, 32, 32), (128, 64, 64)])
