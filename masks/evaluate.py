@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed-from", type=Path, nargs="*", default=[],
                         help="earlier reports whose per-document scores (of their bank's masks) fill the cache")
     parser.add_argument("--weights", default="fp32", help="weight format (fp32, bf16, int8, int4)")
+    parser.add_argument("--dtype", default="auto", help="activations (auto: as the server picks for the format; "
+                        "the shipped routed banks' bf16 labels were scored with bfloat16)")
 
 
 @torch.no_grad()
@@ -294,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    lm = models.load(args.model, dtype=models.resolve_weights(args.weights)[1], weights=args.weights)
+    lm = models.load(args.model, dtype=models.resolve_weights(args.weights, args.dtype)[1], weights=args.weights)
     bank = MaskBank.load(args.bank)
     runner = BlockRunner(lm.model, max_batch=1, max_len=args.max_len)
     bank.check_model(lm.fingerprint, runner.num_blocks)

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="format-2 bank to write (without it: labels only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weights", default="fp32", help="weight format the labels are scored in (fp32, bf16, ...)")
+    parser.add_argument("--dtype", default="auto", help="activations (auto: as the server picks for the format; "
+                        "the shipped routed banks' bf16 labels were scored with bfloat16)")
     parser.add_argument("--threads", type=int, default=2)
 
 
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    lm = models.load(args.model, dtype=models.resolve_weights(args.weights)[1], weights=args.weights)
+    lm = models.load(args.model, dtype=models.resolve_weights(args.weights, args.dtype)[1], weights=args.weights)
     source = MaskBank.load(args.bank)
     runner = BlockRunner(lm.model, max_batch=1, max_len=args.max_len)
     source.check_model(lm.fingerprint, runner.num_blocks)
