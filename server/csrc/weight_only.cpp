@@ -113,7 +113,7 @@ struct BF16 {
   int64_t K;
   struct Channel {
     const uint16_t* w;
-    int64_t ahead;  // elements to the same place in the channel AHEAD rows on
+    int64_t ahead;  // elements to the same place AHEAD channels on
     inline void prefetch(int64_t g) const {
       _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP) + PF, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP + ahead), _MM_HINT_T0);
@@ -701,7 +701,7 @@ TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
   lib.impl("bf16_linear", igserve::bf16_linear);
 }
 
-// An int4bf16 weight reordered for oneDNN is an MkldnnCPU tensor, which routes the call here.
+// A weight reordered for oneDNN (int4bf16's, bf16's) is an MkldnnCPU tensor, which routes the call here.
 TORCH_LIBRARY_IMPL(igserve, MkldnnCPU, lib) {
   lib.impl("q4_linear", igserve::q4_linear);
   lib.impl("i8_linear", igserve::i8_linear);
