@@ -20,7 +20,10 @@ import weakref
 import torch
 
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: a format-2 bank whose learned router also reads the LM's token table (router.lm_features),
+# so that a reader without it refuses the bank rather than routing on half its inputs
+LM_FEATURES_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 DENSE = "dense"
 
 

@@ -41,12 +41,14 @@ def union_skip(masks: list[torch.Tensor], batch: int, rounds: int, seed: int) ->
             "distinct_masks": len({tuple(m.tolist()) for m in masks})}
 
 
-def measure(bank: MaskBank, texts: list[str], batch: int, rounds: int, seed: int) -> dict:
+def measure(bank: MaskBank, texts: list[str], batch: int, rounds: int, seed: int, lm=None) -> dict:
+    """``lm``: the LM's token table (router.lm_features), for a learned router that reads it."""
+    from router.predictor import KINDS
     from router.router import Router
 
     routers = {"centroid": Router(bank, method="centroid", ood=False)}
-    if bank.router.get("kind") in ("ridge", "knn"):
-        routers["learned"] = Router(bank)
+    if bank.router.get("kind") in KINDS:
+        routers["learned"] = Router(bank, lm=lm)
     out = {}
     for name, router in routers.items():
         for s in bank.budget_list():
@@ -56,13 +58,26 @@ def measure(bank: MaskBank, texts: list[str], batch: int, rounds: int, seed: int
     return out
 
 
+def _token_table(bank: MaskBank):
+    """The bank's LM's token table where its learned router reads it (router.lm_features), else None."""
+    if "lm_features" not in bank.router:
+        return None
+    from router.lm_features import TokenTable
+    from server import models
+
+    lm = models.load(bank.model["name"])
+    bank.check_model(lm.fingerprint, len(bank.blocks))
+    return TokenTable.of(lm)
+
+
 def run(args: argparse.Namespace) -> int:
     from server.weights import cpu_flags
 
     texts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     report = {"command": args.invocation, "prompts": str(args.prompts),
               "n_prompts": len(texts), "batch": args.batch, "rounds": args.rounds, "cpu_flags": cpu_flags(),
-              "banks": {str(p): measure(MaskBank.load(p), texts, args.batch, args.rounds, args.seed) for p in args.banks}}
+              "banks": {str(p): measure(bank, texts, args.batch, args.rounds, args.seed, _token_table(bank))
+                        for p, bank in ((p, MaskBank.load(p)) for p in args.banks)}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     for bank, rows in report["banks"].items():

@@ -74,27 +74,30 @@ def score_batch(runner, ids: torch.Tensor, valid: torch.Tensor, masks: dict[str,
     return out
 
 
-def route_methods(bank: MaskBank, emb: torch.Tensor, sparsity: float) -> dict[str, list[str]]:
-    """Mask id per document for every routing method the bank supports, at one budget."""
+def route_methods(bank: MaskBank, x: dict[str, torch.Tensor], sparsity: float) -> dict[str, list[str]]:
+    """Mask id per document for every routing method the bank supports, at one budget; ``x``: the
+    documents' routing inputs (``Router.inputs``)."""
+    from router.predictor import KINDS
     from router.router import Router
 
-    n, budgets = len(emb), [sparsity] * len(emb)
+    n = len(x["encoder"])
+    budgets = [sparsity] * n
     centroid = Router(bank, method="centroid", ood=False)
-    out = {"ig_centroid": [r.mask_id for r in centroid.route_embedded(emb, budgets, [None] * n)]}
-    if bank.router.get("kind") not in ("ridge", "knn"):
+    out = {"ig_centroid": [r.mask_id for r in centroid.route_embedded(x, budgets, [None] * n)]}
+    if bank.router.get("kind") not in KINDS:
         return {"ig": out["ig_centroid"], **out}
     learned = Router(bank)
-    out["ig"] = [r.mask_id for r in learned.route_embedded(emb, budgets, [None] * n)]
-    out["ig_no_ood"] = [r.mask_id for r in Router(bank, ood=False).route_embedded(emb, budgets, [None] * n)]
-    pred = dict(zip(learned.predictor.candidates, learned.predictor.predict(emb).T))
+    out["ig"] = [r.mask_id for r in learned.route_embedded(x, budgets, [None] * n)]
+    out["ig_no_ood"] = [r.mask_id for r in Router(bank, ood=False).route_embedded(x, budgets, [None] * n)]
+    pred = dict(zip(learned.predictor.candidates, learned.predictor.predict(x).T))
     static = list(bank.static_ids(sparsity).values())
     for name, ids in (("ig_learned_clusters", bank.cluster_ids(sparsity)),
                       ("ig_learned_clusters_static", bank.cluster_ids(sparsity) + static)):
         table = torch.stack([pred[m] for m in ids], 1)
         out[name] = [ids[j] for j in table.argmin(1).tolist()]
-    x = bank.router.get("max_loss_for_budget", {}).get(f"{sparsity:g}")
-    if x is not None:
-        out["ig_max_loss"] = [r.mask_id for r in learned.route_embedded(emb, [None] * n, [x] * n)]
+    max_loss = bank.router.get("max_loss_for_budget", {}).get(f"{sparsity:g}")
+    if max_loss is not None:
+        out["ig_max_loss"] = [r.mask_id for r in learned.route_embedded(x, [None] * n, [max_loss] * n)]
     return out
 
 
@@ -289,7 +292,8 @@ def seed_from_reports(reports: list[Path], cache: Path, fingerprint: str, max_le
 
 
 def run(args: argparse.Namespace) -> int:
-    from router.encoder import embed
+    from router.lm_features import TokenTable
+    from router.router import Router
     from server import models
     from server.runner import BlockRunner
     from server.weights import cpu_flags
@@ -305,8 +309,8 @@ def run(args: argparse.Namespace) -> int:
     seeded = seed_from_reports(args.seed_from, args.cache, lm.fingerprint, args.max_len, domains, lm.weights,
                                activations)
     s = bank.sparsity if args.budget is None else args.budget
-    emb = embed([t for d in domains for t in domains[d]])
-    routes = route_methods(bank, emb, s)
+    inputs = Router(bank, lm=TokenTable.of(lm)).inputs([t for d in domains for t in domains[d]])
+    routes = route_methods(bank, inputs, s)
     report = {"bank": str(args.bank), "model": lm.name, "weights": lm.weights, "activations": activations,
               "data": str(args.data),
               "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,

@@ -3,9 +3,10 @@
 Steps: candidate pool at every budget (``masks.pool``: prefixes of the built bank's greedy orders,
 static masks, optional shared-core masks) -> labels: each sampled training document's loss under
 every candidate (``masks.labels``, cached) -> a per-candidate loss predictor over the routing
-embedding (``router.predictor``), its kind and regularisation chosen by cross-validation on the
-training labels only -> OOD threshold from the calibration documents' centroid distances -> a
-format-2 bank (``masks.bank``).
+inputs (the encoder's embedding and the LM's token-table features: ``router.predictor``,
+``router.lm_features``), chosen by cross-validation on the training labels only -> OOD threshold
+from the calibration documents' centroid distances -> a format-2 bank (``masks.bank``; format 3
+where the predictor reads the LM's features).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--ood-quantile", type=float, default=0.95,
                         help="calibration distance quantile beyond which a request falls back to the global mask")
-    parser.add_argument("--predictor", help="kind=value (e.g. knn=20) instead of the cross-validated choice")
+    parser.add_argument("--predictor", help="a predictor spec (e.g. knn=20, knn=20+lm:ridge=1: router.predictor) "
+                        "instead of the cross-validated choice")
+    parser.add_argument("--no-lm-features", action="store_true",
+                        help="route on the encoder's embedding only (no LM token-table input: a format-2 bank)")
     parser.add_argument("--out", type=Path, help="format-2 bank to write (without it: labels only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weights", default="fp32", help="weight format the labels are scored in (fp32, bf16, ...)")
@@ -94,7 +98,17 @@ def run(args: argparse.Namespace) -> int:
     from masks.router_bank import build_routed_bank
 
     saved = {"dense": 0.0, **{k: runner.cost.compute_saved(torch.as_tensor(p["mask"])) for k, p in pool.items()}}
-    bank = build_routed_bank(source, pool, docs, labels, budgets, saved, args)
+    feats = spec = None
+    if not args.no_lm_features:
+        from router import lm_features
+
+        # the float32 table the server looks up (a bf16 model's table is rounded)
+        table = lm_features.TokenTable.of(lm if lm.model.get_input_embeddings().weight.dtype == torch.float32
+                                          else models.load(args.model))
+        texts = [d["text"] for d in docs]
+        spec = lm_features.fit_spec(table, texts, args.max_len)
+        feats = lm_features.features(table, texts, spec)
+    bank = build_routed_bank(source, pool, docs, labels, budgets, saved, args, feats, spec)
     bank.training["labels"] = {"documents": len(docs), "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,
                                "weights": lm.weights, "activations": str(runner.dtype).removeprefix("torch."),
                                "masks": len(pool) + 1, "pairs_scored": labels["scored"],

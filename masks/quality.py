@@ -120,14 +120,16 @@ def measure(runner, prompts: list[list[int]], masks: torch.Tensor, dense: dict, 
 
 
 def method_masks(bank: MaskBank, texts: list[str], extra: list[float],
-                 budgets: list[float] | None = None) -> dict[str, tuple[float, list[str]]]:
-    """{method: (budget, mask id per prompt)} for every budget of the bank and the extra static budgets."""
+                 budgets: list[float] | None = None, lm=None) -> dict[str, tuple[float, list[str]]]:
+    """{method: (budget, mask id per prompt)} for every budget of the bank and the extra static budgets;
+    ``lm``: the LM's token table (router.lm_features), for a router that reads it."""
+    from router.predictor import KINDS
     from router.router import Router
 
     out = {}
     n = len(texts)
-    routers = {"ig": Router(bank)}
-    if bank.router.get("kind") in ("ridge", "knn"):
+    routers = {"ig": Router(bank, lm=lm)}
+    if bank.router.get("kind") in KINDS:
         routers["ig_centroid"] = Router(bank, method="centroid", ood=False)
     for s in budgets or bank.budget_list():
         for name, mask_id in bank.static_ids(s).items():
@@ -142,6 +144,7 @@ def method_masks(bank: MaskBank, texts: list[str], extra: list[float],
 
 def evaluate(lm, bank: MaskBank, questions: list[str], n_tokens: int, extra: list[float],
              budgets: list[float] | None = None) -> dict:
+    from router.lm_features import TokenTable
     from server.runner import BlockRunner
 
     tok = lm.tokenizer
@@ -157,7 +160,7 @@ def evaluate(lm, bank: MaskBank, questions: list[str], n_tokens: int, extra: lis
     logp, _, _ = teacher_forced(runner, prompts, answers, ones)
     dense = {"answers": answers, "logp": logp}
     methods = {}
-    for name, (s, ids) in method_masks(bank, questions, extra, budgets).items():
+    for name, (s, ids) in method_masks(bank, questions, extra, budgets, TokenTable.of(lm)).items():
         rows = torch.stack([tensors[i] for i in ids])
         saved = sum(runner.cost.compute_saved(r) for r in rows) / len(rows)
         shared = int((~rows).all(0).sum())

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from masks.bank import DENSE, MaskBank
+from masks.bank import DENSE, FORMAT_VERSION, LM_FEATURES_VERSION, MaskBank
+from router.predictor import Predictor
 from masks.pool import mask_name
-from router.predictor import cross_validate, fit, out_of_fold
+from router.predictor import cross_validate, fit_spec, out_of_fold
 
-SPECS = [("ridge", a) for a in (0.03, 0.1, 0.3, 1.0, 3.0)] + [("knn", k) for k in (5, 10, 20, 40)]
+# the predictors cross-validation chooses from (router.predictor): on the encoder's embedding, and
+# where the LM's token-table features are given, on them and as a mean of a kNN and a ridge
+SPECS = [f"ridge={a:g}" for a in (0.03, 0.1, 0.3, 1.0, 3.0)] + [f"knn={k}" for k in (5, 10, 20, 40)]
+LM_SPECS = ([f"lm:ridge={a:g}" for a in (0.3, 1.0, 3.0)] + [f"lm:knn={k}" for k in (10, 20, 40)]
+            + [f"knn={k}+lm:ridge={a:g}" for k in (10, 20) for a in (1.0, 3.0)])
 
 
 def excess_per_token(labels: dict, ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,20 +43,19 @@ def _reference(excess: torch.Tensor, tokens: torch.Tensor, emb: torch.Tensor, ce
     return {"centroid": centroid, "oracle": oracle}
 
 
-def select_router(emb: torch.Tensor, excess: torch.Tensor, tokens: torch.Tensor, ids: list[str],
+def select_router(x: dict[str, torch.Tensor], excess: torch.Tensor, tokens: torch.Tensor, ids: list[str],
                   specs: dict[str, dict], centroids: torch.Tensor, seed: int, forced: str | None = None) -> dict:
-    """Choose the predictor kind and strength by 5-fold CV on the training labels (or take ``forced``,
-    'kind=value'); fit it on all of them."""
+    """Choose the predictor by 5-fold CV on the training labels (or take ``forced``, a spec); fit it on all
+    of them. ``x``: the routing inputs of the label documents (``encoder``, and ``lm`` where given)."""
     col = {m: j for j, m in enumerate(ids)}
     groups = [[col[m] for m in s["candidates"]] for s in specs.values()]
     clusters = [[col[m] for m in s["cluster_masks"]] for s in specs.values()]
-    cv = cross_validate(emb, excess, tokens, groups, SPECS, folds=5, seed=seed)
-    kind, value = min(SPECS, key=lambda s: cv[f"{s[0]}={s[1]:g}"])
-    if forced:
-        kind, value = forced.split("=")[0], float(forced.split("=")[1])
-    predictor = fit(kind, emb, excess, ids, value)
-    oof = out_of_fold(kind, value, emb, excess, 5, seed)
-    selection = {"cv_excess_nll_per_token": {k: round(v, 5) for k, v in cv.items()}, "chosen": f"{kind}={value:g}",
+    cv = cross_validate(x, excess, tokens, groups, SPECS + (LM_SPECS if "lm" in x else []), folds=5, seed=seed)
+    chosen = forced or min(cv, key=cv.get)
+    predictor = fit_spec(chosen, x, excess, ids)
+    oof = out_of_fold(chosen, x, excess, 5, seed)
+    emb = x["encoder"]
+    selection = {"cv_excess_nll_per_token": {k: round(v, 5) for k, v in cv.items()}, "chosen": chosen,
                  "train_labels_reference": {k: round(v, 5) for k, v in
                                             _reference(excess, tokens, emb, centroids,
                                                        {"groups": groups, "clusters": clusters}).items()}}
@@ -130,8 +134,11 @@ def _embed_cached(texts: list[str], cache) -> torch.Tensor:
 
 
 def build_routed_bank(source: MaskBank, pool: dict[str, dict], docs: list[dict], labels: dict, budgets: list[float],
-                      saved: dict[str, float], args) -> MaskBank:
-    """A format-2 bank over ``pool`` with a learned router fit on ``labels`` of ``docs`` (see masks.learn_router)."""
+                      saved: dict[str, float], args, lm_features: torch.Tensor | None = None,
+                      lm_spec: dict | None = None) -> MaskBank:
+    """A format-2 bank over ``pool`` with a learned router fit on ``labels`` of ``docs`` (see masks.learn_router);
+    ``lm_features`` ([n, H], with their ``lm_spec``, router.lm_features): the LM's input for the router, a
+    format-3 bank where the predictor chosen reads it."""
     from masks.build import load_documents
 
     default = args.default_budget if args.default_budget is not None else source.sparsity
@@ -142,8 +149,11 @@ def build_routed_bank(source: MaskBank, pool: dict[str, dict], docs: list[dict],
     excess, tokens = excess_per_token(labels, ids)
     centroids = source.centroid_tensor()
     emb = _embed_cached([d["text"] for d in docs], args.cache)
-    router = select_router(emb, excess.float(), tokens.float(), ids, specs, centroids, args.seed, args.predictor)
+    x = {"encoder": emb} if lm_features is None else {"encoder": emb, "lm": lm_features}
+    router = select_router(x, excess.float(), tokens.float(), ids, specs, centroids, args.seed, args.predictor)
     oof = router.pop("_oof")
+    if lm_spec is not None and "lm" in Predictor.from_dict(router).needs():
+        router["lm_features"] = lm_spec
     threshold = ood_threshold(centroids, _embed_cached([d["text"] for d in load_documents(args.data)], args.cache),
                               args.ood_quantile)
     far = (1.0 - (emb @ centroids.T).max(1).values) > threshold
@@ -161,5 +171,5 @@ def build_routed_bank(source: MaskBank, pool: dict[str, dict], docs: list[dict],
         training=training, calibration_docs=source.calibration_docs,
         pool={k: {**{f: v for f, v in p.items() if f != "mask"}, "mask": p["mask"].tolist()} for k, p in pool.items()},
         budgets=specs, router=router,
-        ood=ood,
+        ood=ood, format_version=LM_FEATURES_VERSION if "lm_features" in router else FORMAT_VERSION,
     )

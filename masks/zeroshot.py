@@ -259,17 +259,19 @@ def unique_masks(bank: MaskBank, ids: list[str]) -> tuple[torch.Tensor, dict[str
     return torch.tensor(list(rows), dtype=torch.bool), index
 
 
-def routes(bank: MaskBank, texts: list[str], sparsity: float, ood_distance: float | None = None) -> dict[str, list[str]]:
+def routes(bank: MaskBank, texts: list[str], sparsity: float, ood_distance: float | None = None,
+           lm=None) -> dict[str, list[str]]:
     """Mask id per routing text of every routing method: ig as the server routes; for a format-2
     bank also ig_centroid and ig_ood (its centroid router with the bank's threshold); for a
-    one-budget bank ig_ood at ``ood_distance`` when given."""
+    one-budget bank ig_ood at ``ood_distance`` when given. ``lm``: the LM's token table
+    (router.lm_features), for a router that reads it."""
     from masks.evaluate import route_methods
-    from router.encoder import embed
     from router.router import Router
 
-    emb = embed(texts)
+    x = Router(bank, lm=lm).inputs(texts)
+    emb = x["encoder"]
     n = len(texts)
-    by_method = route_methods(bank, emb, sparsity)
+    by_method = route_methods(bank, x, sparsity)
     out = {"ig": by_method["ig"]}
     if bank.budgets:
         out["ig_centroid"] = by_method["ig_centroid"]
@@ -339,6 +341,7 @@ def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], sparsity:
              cache: Path | None = None, ood_distance: float | None = None) -> dict:
     """Route every task's contexts, score each example under the masks its methods use, then
     aggregate each method (JSON-ready). ``methods``: a subset of ``method_names`` (default: all)."""
+    from router.lm_features import TokenTable
     from server.cost import CostModel
 
     s = bank.sparsity if sparsity is None else sparsity
@@ -350,7 +353,7 @@ def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], sparsity:
     timing, distinct = {}, set()
     for task, exs in examples.items():
         start = time.perf_counter()
-        routed = routes(bank, [e.routing_text for e in exs], s, ood_distance)
+        routed = routes(bank, [e.routing_text for e in exs], s, ood_distance, TokenTable.of(lm))
         available = method_names(bank, s, routed)
         chosen_methods = available if methods is None else [m for m in available if m in methods]
         chosen = picks(chosen_methods, bank, s, routed, len(exs), generator)

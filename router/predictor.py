@@ -1,12 +1,19 @@
-"""Per-candidate loss predictors over the routing embedding: the learned router's model.
+"""Per-candidate loss predictors over the routing inputs: the learned router's model.
 
-A predictor maps an L2-normalised embedding to the loss each candidate mask is expected to add
+A predictor maps a routing text's inputs to the loss each candidate mask is expected to add
 (excess NLL per token over dense, in nats); the router takes the lowest within the requested
-budget, or with ``max_loss`` the sparsest mask predicted to stay under it. Two kinds, both small
-enough to live in the bank JSON and cheap enough to run per request:
+budget, or with ``max_loss`` the sparsest mask predicted to stay under it. The inputs
+(``INPUTS``): ``encoder``, the L2-normalised MiniLM embedding, and ``lm``, the LM's own token
+table averaged over the text (``router.lm_features``). Kinds, all small enough to live in the bank
+JSON and cheap enough to run per request:
 
 * ``ridge``: one linear map, closed form, regularisation ``alpha``;
-* ``knn``: the mean label of the ``k`` calibration documents nearest in cosine similarity.
+* ``knn``: the mean label of the ``k`` calibration documents nearest in cosine similarity;
+* ``mean``: the mean of several predictors' predictions (e.g. kNN on the encoder and ridge on
+  the LM's inputs, which err differently).
+
+A spec names one: ``knn=20`` (the encoder's input), ``lm:ridge=1`` (the LM's), or parts joined by
+``+`` for a mean (``knn=20+lm:ridge=1``).
 """
 
 from __future__ import annotations
@@ -15,21 +22,38 @@ from dataclasses import dataclass, field
 
 import torch
 
+INPUTS = ("encoder", "lm")
+KINDS = ("ridge", "knn", "mean")
+
+Inputs = dict[str, torch.Tensor]  # input name -> [n, dim]; a bare tensor is the encoder's
+
 
 @dataclass
 class Predictor:
-    kind: str  # "ridge" | "knn"
+    kind: str  # "ridge" | "knn" | "mean"
     candidates: list[str]  # column order of the predictions
-    params: dict = field(default_factory=dict)  # ridge: weight [dim+1, M]; knn: keys [n, dim], values [n, M], k
+    params: dict = field(default_factory=dict)  # ridge: weight [dim+1, M]; knn: keys [n, dim], values [n, M], k; mean: parts
+    inputs: str = "encoder"  # which routing input a ridge or knn reads
 
     def __post_init__(self):
-        if self.kind not in ("ridge", "knn"):
+        if self.kind not in KINDS:
             raise ValueError(f"unknown predictor kind {self.kind!r}")
-        self._t = {k: torch.tensor(v, dtype=torch.float32) for k, v in self.params.items() if isinstance(v, list)}
+        if self.inputs not in INPUTS:
+            raise ValueError(f"unknown predictor input {self.inputs!r}")
+        self._t = {k: torch.tensor(v, dtype=torch.float32) for k, v in self.params.items() if k != "parts"
+                   and isinstance(v, list)}
+        self._parts = [Predictor.from_dict({"candidates": self.candidates, **p}) for p in self.params.get("parts", [])]
 
-    def predict(self, emb: torch.Tensor) -> torch.Tensor:
+    def needs(self) -> set[str]:
+        """The routing inputs this predictor reads."""
+        return set().union(*(p.needs() for p in self._parts)) if self.kind == "mean" else {self.inputs}
+
+    def predict(self, x: Inputs | torch.Tensor) -> torch.Tensor:
         """[n, M] predicted excess loss per candidate."""
-        emb = emb.float()
+        x = {"encoder": x} if isinstance(x, torch.Tensor) else x
+        if self.kind == "mean":
+            return torch.stack([p.predict(x) for p in self._parts]).mean(0)
+        emb = x[self.inputs].float()
         if self.kind == "ridge":
             return _with_bias(emb) @ self._t["weight"]
         sims = emb @ self._t["keys"].T
@@ -38,11 +62,12 @@ class Predictor:
         return self._t["values"][idx].mean(1)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "candidates": list(self.candidates), "params": self.params}
+        out = {"kind": self.kind, "candidates": list(self.candidates), "params": self.params}
+        return out if self.inputs == "encoder" else {**out, "inputs": self.inputs}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Predictor":
-        return cls(data["kind"], list(data["candidates"]), dict(data["params"]))
+        return cls(data["kind"], list(data["candidates"]), dict(data["params"]), data.get("inputs", "encoder"))
 
 
 def _with_bias(x: torch.Tensor) -> torch.Tensor:
@@ -54,15 +79,38 @@ def _rounded(t: torch.Tensor, digits: int = 6) -> list:
     return torch.round(t.double(), decimals=digits).tolist()
 
 
-def fit(kind: str, emb: torch.Tensor, target: torch.Tensor, candidates: list[str], value: float) -> Predictor:
-    """Fit a predictor on [n, dim] embeddings and [n, M] targets; ``value`` is ridge's alpha or knn's k."""
+def parse_spec(spec: str) -> list[tuple[str, str, float]]:
+    """``lm:ridge=1+knn=20`` -> [(inputs, kind, value), ...]."""
+    parts = []
+    for part in spec.split("+"):
+        inputs, _, rest = part.rpartition(":")
+        kind, _, value = rest.partition("=")
+        if kind not in ("ridge", "knn") or not value or (inputs or "encoder") not in INPUTS:
+            raise ValueError(f"not a predictor spec: {spec!r} (e.g. knn=20, lm:ridge=1, knn=20+lm:ridge=1)")
+        parts.append((inputs or "encoder", kind, float(value)))
+    return parts
+
+
+def fit(kind: str, emb: torch.Tensor, target: torch.Tensor, candidates: list[str], value: float,
+        inputs: str = "encoder") -> Predictor:
+    """Fit a ridge or knn on [n, dim] inputs and [n, M] targets; ``value`` is ridge's alpha or knn's k."""
     if kind == "ridge":
         x = _with_bias(emb.double())
         reg = value * torch.eye(x.shape[1], dtype=torch.float64)
         reg[-1, -1] = 0.0  # the bias is not shrunk
         weight = torch.linalg.solve(x.T @ x + reg, x.T @ target.double())
-        return Predictor("ridge", candidates, {"alpha": value, "weight": _rounded(weight)})
-    return Predictor("knn", candidates, {"k": int(value), "keys": _rounded(emb), "values": _rounded(target)})
+        return Predictor("ridge", candidates, {"alpha": value, "weight": _rounded(weight)}, inputs)
+    return Predictor("knn", candidates, {"k": int(value), "keys": _rounded(emb), "values": _rounded(target)}, inputs)
+
+
+def fit_spec(spec: str, x: Inputs | torch.Tensor, target: torch.Tensor, candidates: list[str]) -> Predictor:
+    """The predictor a spec names, fit on inputs ``x`` and [n, M] targets."""
+    x = {"encoder": x} if isinstance(x, torch.Tensor) else x
+    parts = [fit(kind, x[inputs], target, candidates, value, inputs) for inputs, kind, value in parse_spec(spec)]
+    if len(parts) == 1:
+        return parts[0]
+    return Predictor("mean", candidates, {"parts": [{k: v for k, v in p.to_dict().items() if k != "candidates"}
+                                                    for p in parts]})
 
 
 def realised_loss(pred: torch.Tensor, excess: torch.Tensor, tokens: torch.Tensor, groups: list[list[int]]) -> float:
@@ -74,21 +122,24 @@ def realised_loss(pred: torch.Tensor, excess: torch.Tensor, tokens: torch.Tensor
     return total / (float(tokens.sum()) * len(groups))
 
 
-def out_of_fold(kind: str, value: float, emb: torch.Tensor, target: torch.Tensor, folds: int = 5,
+def out_of_fold(spec: str, x: Inputs | torch.Tensor, target: torch.Tensor, folds: int = 5,
                 seed: int = 0) -> torch.Tensor:
     """[n, M] predictions for every document from a predictor fit without its fold (seeded folds)."""
-    order = torch.randperm(len(emb), generator=torch.Generator().manual_seed(seed))
+    x = {"encoder": x} if isinstance(x, torch.Tensor) else x
+    n = len(target)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     pred = torch.empty(target.shape, dtype=torch.float32)
     for f in range(folds):
         test = order[f::folds]
-        keep = torch.ones(len(order), dtype=torch.bool)
+        keep = torch.ones(n, dtype=torch.bool)
         keep[f::folds] = False
-        pred[test] = fit(kind, emb[order[keep]], target[order[keep]], [], value).predict(emb[test])
+        train = order[keep]
+        model = fit_spec(spec, {k: v[train] for k, v in x.items()}, target[train], [])
+        pred[test] = model.predict({k: v[test] for k, v in x.items()})
     return pred
 
 
-def cross_validate(emb: torch.Tensor, excess: torch.Tensor, tokens: torch.Tensor, groups: list[list[int]],
-                   specs: list[tuple[str, float]], folds: int = 5, seed: int = 0) -> dict[str, float]:
-    """{"kind=value": realised loss} of each spec over ``folds`` seeded folds of the training labels."""
-    return {f"{kind}={value:g}": realised_loss(out_of_fold(kind, value, emb, excess, folds, seed), excess, tokens, groups)
-            for kind, value in specs}
+def cross_validate(x: Inputs | torch.Tensor, excess: torch.Tensor, tokens: torch.Tensor, groups: list[list[int]],
+                   specs: list[str], folds: int = 5, seed: int = 0) -> dict[str, float]:
+    """{spec: realised loss} of each spec over ``folds`` seeded folds of the training labels."""
+    return {spec: realised_loss(out_of_fold(spec, x, excess, folds, seed), excess, tokens, groups) for spec in specs}

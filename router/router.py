@@ -1,8 +1,9 @@
 """Input-guided routing: embed a request's routing text, pick a mask of the bank.
 
 Two methods: ``centroid`` (the paper: the mask of the nearest cluster centroid, cosine) and
-``learned`` (a predictor of each candidate's excess loss, ``router.predictor``; the lowest
-prediction within the requested budget wins). A request may ask for a budget the bank holds or for
+``learned`` (a predictor of each candidate's excess loss, ``router.predictor``, over the text's
+encoder embedding and, where the bank's predictor reads them, the LM's token-table features,
+``router.lm_features``; the lowest prediction within the requested budget wins). A request may ask for a budget the bank holds or for
 ``max_loss``: the sparsest candidate predicted to add at most that much loss (dense if none).
 A text farther from every centroid than the bank's ``ood`` distance gets the budget's global mask
 (the mask fit on the whole corpus), and its ``Route`` says so.
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 
 from masks.bank import DENSE, BankError, MaskBank
 from router.encoder import ENCODER_DIM, EncoderError, check_name, embed, load_encoder
-from router.predictor import Predictor
+from router.lm_features import TokenTable, features as lm_features
+from router.predictor import KINDS, Predictor
 
 METHODS = ("learned", "centroid")
 
@@ -65,14 +67,16 @@ class Router:
     """
 
     def __init__(self, bank: MaskBank, encoder=None, method: str | None = None, ood: bool = True,
-                 default_budget: float | None = None):
+                 default_budget: float | None = None, lm: TokenTable | None = None):
+        """``lm``: the served LM's token table, for a learned router that reads it (``route`` needs it
+        then; ``route_embedded`` takes the inputs already made)."""
         try:
             check_name(bank.encoder["name"])
         except EncoderError as exc:
             raise BankError(f"mask bank needs encoder {bank.encoder['name']!r}: {exc}") from exc
         if bank.encoder["dim"] != ENCODER_DIM:
             raise BankError(f"mask bank centroids have {bank.encoder['dim']} dimensions, the encoder {ENCODER_DIM}")
-        learned = bank.router.get("kind") in ("ridge", "knn")
+        learned = bank.router.get("kind") in KINDS
         self.method = method or ("learned" if learned else "centroid")
         if self.method not in METHODS:
             raise BankError(f"router method {self.method!r} not available: choose one of {', '.join(METHODS)}")
@@ -85,6 +89,10 @@ class Router:
         self.centroids = F.normalize(bank.centroid_tensor(), dim=1)
         # Centroid routing on a format-2 bank ignores its predictor: no predicted loss, so no max_loss either.
         self.predictor = Predictor.from_dict(bank.router) if self.method == "learned" else None
+        self.lm = lm
+        self.lm_spec = bank.router.get("lm_features") if self.predictor and "lm" in self.predictor.needs() else None
+        if self.lm_spec is None and self.predictor and "lm" in self.predictor.needs():
+            raise BankError("mask bank's learned router reads the LM's token table but holds no lm_features")
         self.masks = bank.mask_tensors()
         self.mask_ids = list(bank.mask_ids)
         self.budgets = bank.budget_list()
@@ -136,17 +144,28 @@ class Router:
         for b, x in zip(budgets, max_losses):
             self.check(b, x)
         start = time.perf_counter()
-        with torch.inference_mode():
-            emb = embed(texts, batch_size, self.encoder)
-        return self.route_embedded(emb, budgets, max_losses, start)
+        return self.route_embedded(self.inputs(texts, batch_size), budgets, max_losses, start)
 
-    def route_embedded(self, emb: torch.Tensor, budgets: list[float | None], max_losses: list[float | None],
-                       start: float | None = None) -> list[Route]:
-        """``route`` on embeddings already computed (``start``: when routing began, for ``router_ms``)."""
+    def inputs(self, texts: list[str], batch_size: int = 32) -> dict[str, torch.Tensor]:
+        """What this router reads of each text: the encoder's embedding, and the LM's token-table
+        features where its predictor reads them (router.lm_features)."""
+        with torch.inference_mode():
+            out = {"encoder": embed(texts, batch_size, self.encoder)}
+            if self.lm_spec is not None:
+                if self.lm is None:
+                    raise BankError("this bank's learned router reads the LM's token table: give the Router lm=")
+                out["lm"] = lm_features(self.lm, texts, self.lm_spec)
+        return out
+
+    def route_embedded(self, x: dict[str, torch.Tensor] | torch.Tensor, budgets: list[float | None],
+                       max_losses: list[float | None], start: float | None = None) -> list[Route]:
+        """``route`` on inputs already computed (``inputs``; a tensor: the encoder's embeddings; ``start``:
+        when routing began, for ``router_ms``)."""
         start = time.perf_counter() if start is None else start
+        emb = x["encoder"] if isinstance(x, dict) else x
         with torch.inference_mode():
             best, idx = (emb @ self.centroids.T).max(1)
-            pred = self.predictor.predict(emb) if self.predictor is not None else None
+            pred = self.predictor.predict(x) if self.predictor is not None else None
         picks = [self._pick(1.0 - float(best[i]), int(idx[i]), None if pred is None else pred[i], budgets[i],
                             max_losses[i]) for i in range(len(emb))]
         ms = (time.perf_counter() - start) * 1000

@@ -19,6 +19,7 @@ import torch
 
 from masks.bank import DENSE, BankError, MaskBank
 from router.encoder import load_encoder
+from router.lm_features import TokenTable
 from router.router import Router
 from server import models, weights as wf
 from server.async_engine import AsyncEngine
@@ -123,7 +124,7 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
         encoder = load_encoder(cfg.device, dtype)
         log.info("routing encoder: %s", str(dtype).removeprefix("torch."))
         try:
-            router = Router(bank, encoder, method=cfg.router, default_budget=cfg.budget)
+            router = Router(bank, encoder, method=cfg.router, default_budget=cfg.budget, lm=TokenTable.of(lm))
             if cfg.adaptive_depth:
                 shared = None if cfg.adaptive_depth_mask != "global" else {
                     b: (g, router.masks[g]) for b in router.budgets if (g := bank.global_id(b)) is not None}

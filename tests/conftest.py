@@ -128,6 +128,25 @@ def routed_bank(tiny_bank, ood: float | None = None):
                     router=router, ood={"distance": ood} if ood is not None else {}), target, ids
 
 
+def lm_routed_bank(tiny_bank, tiny):
+    """(bank, table): ``routed_bank`` as format 3, its predictor a ridge on the LM's token-table
+    features of the three centroid texts (router.lm_features, window 16) fit to the same planted
+    losses, and the tiny LM's token table."""
+    from dataclasses import replace
+
+    from masks.bank import LM_FEATURES_VERSION
+    from router import lm_features
+    from router.predictor import fit_spec
+
+    bank, target, ids = routed_bank(tiny_bank)
+    texts = list(TINY_BANK_TEXTS.values())
+    table = lm_features.TokenTable(tiny.tokenizer, tiny.model.get_input_embeddings().weight)
+    spec = lm_features.fit_spec(table, texts, 16)
+    router = {**fit_spec("lm:ridge=1e-06", {"lm": lm_features.features(table, texts, spec)}, target, ids).to_dict(),
+              "lm_features": spec}
+    return replace(bank, router=router, format_version=LM_FEATURES_VERSION), table
+
+
 @pytest.fixture(scope="session")
 def tiny_bank_file(tiny_bank, tmp_path_factory):
     path = tmp_path_factory.mktemp("banks") / "tiny.json"

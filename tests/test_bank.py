@@ -92,7 +92,8 @@ def test_shipped_routed_bank_is_consistent(path):
     from router.predictor import Predictor
 
     bank = MaskBank.load(path)
-    assert bank.format_version == 2 and bank.sparsity in bank.budget_list()
+    # format 3 exactly where the learned router reads the LM's token table (router.lm_features)
+    assert bank.format_version == (3 if "lm_features" in bank.router else 2) and bank.sparsity in bank.budget_list()
     blocks = len(bank.blocks)
     for s in bank.budget_list():
         ids = bank.candidate_ids(s)
@@ -102,7 +103,11 @@ def test_shipped_routed_bank_is_consistent(path):
     assert bank.mask_ids == bank.cluster_ids() and set(bank.baselines) == set(bank.static_ids().values())
     predictor = Predictor.from_dict(bank.router)
     assert set(predictor.candidates) == set(bank.pool)
-    assert predictor.predict(bank.centroid_tensor()).shape == (len(bank.centroids), len(bank.pool))
+    inputs = {"encoder": bank.centroid_tensor()}
+    if "lm" in predictor.needs():
+        centre = bank.router["lm_features"]["centre"]
+        inputs["lm"] = torch.nn.functional.normalize(torch.randn(len(bank.centroids), len(centre)), dim=1)
+    assert predictor.predict(inputs).shape == (len(bank.centroids), len(bank.pool))
     assert 0 < bank.ood["distance"] < 2
 
 

@@ -63,12 +63,39 @@ def test_ridge_recovers_a_linear_map_and_knn_its_neighbours():
     knn = fit("knn", x, y, ["a", "b", "c"], 1)
     torch.testing.assert_close(knn.predict(x[:5]), y[:5].float(), atol=1e-5, rtol=0)
     # out of fold, a 1-NN never sees the document itself, so it is worse than in sample
-    oof = out_of_fold("knn", 1, x, y, folds=5)
+    oof = out_of_fold("knn=1", x, y, folds=5)
     assert (oof - y).abs().mean() > 0.05
     tokens = torch.ones(200)
-    cv = cross_validate(x, y, tokens, [[0, 1, 2]], [("ridge", 1e-8), ("knn", 1)])
+    cv = cross_validate(x, y, tokens, [[0, 1, 2]], ["ridge=1e-08", "knn=1"])
     best = float(y.min(1).values.mean())
     assert cv["ridge=1e-08"] == pytest.approx(best, abs=1e-3) and cv["knn=1"] > best
+
+
+def test_predictors_read_the_input_their_spec_names_and_a_mean_averages_its_parts():
+    """Losses planted on the ``lm`` input: a ridge on it recovers them, one on the encoder's cannot;
+    ``a+b`` predicts the mean of its parts, and every kind survives the bank's JSON."""
+    from router.predictor import fit_spec, parse_spec
+
+    gen = torch.Generator().manual_seed(1)
+    x = {"encoder": torch.nn.functional.normalize(torch.randn(300, 5, generator=gen), dim=1),
+         "lm": torch.nn.functional.normalize(torch.randn(300, 7, generator=gen), dim=1)}
+    y = x["lm"] @ torch.randn(7, 3, generator=gen) + 0.5
+    tokens, groups = torch.ones(300), [[0, 1, 2]]
+    lm_ridge = fit_spec("lm:ridge=1e-08", x, y, ["a", "b", "c"])
+    assert lm_ridge.needs() == {"lm"} and lm_ridge.to_dict()["inputs"] == "lm"
+    torch.testing.assert_close(Predictor.from_dict(lm_ridge.to_dict()).predict(x), y.float(), atol=1e-4, rtol=0)
+    cv = cross_validate(x, y, tokens, groups, ["ridge=1e-08", "lm:ridge=1e-08"])
+    assert cv["lm:ridge=1e-08"] == pytest.approx(float(y.min(1).values.mean()), abs=1e-3)
+    assert cv["ridge=1e-08"] > cv["lm:ridge=1e-08"] + 0.01
+    mean = Predictor.from_dict(fit_spec("knn=3+lm:ridge=1e-08", x, y, ["a", "b", "c"]).to_dict())
+    assert mean.kind == "mean" and mean.needs() == {"encoder", "lm"}
+    knn = fit_spec("knn=3", x, y, ["a", "b", "c"])
+    torch.testing.assert_close(mean.predict(x), (knn.predict(x) + lm_ridge.predict(x)) / 2)
+    assert knn.to_dict().get("inputs") is None  # encoder-only predictors keep the format-2 JSON
+    assert parse_spec("knn=20+lm:ridge=1") == [("encoder", "knn", 20.0), ("lm", "ridge", 1.0)]
+    for bad in ("knn", "tree=3", "gpu:knn=3"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
 
 
 def test_score_cache_scores_only_what_is_new(tiny, tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_BANK_TEXTS, routed_bank
+from conftest import TINY_BANK_TEXTS, lm_routed_bank, routed_bank
 
 from masks.bank import BankError, MaskBank
 from router.encoder import BF16_PAD, ENCODER_DIM, Encoder, check_name, embed, load_encoder
@@ -121,6 +121,41 @@ def test_learned_router_picks_the_lowest_predicted_loss_within_the_budget(tiny_b
     centroid = Router(bank, method="centroid")
     assert [r.mask_id for r in centroid.route(texts)] == [f"{c}@0.25" for c in TINY_BANK_TEXTS]
     assert [r.predicted_loss for r in centroid.route(texts)] == [None] * 3
+
+
+def test_a_router_reading_the_lm_token_table_routes_on_it_and_needs_it(tiny_bank, tiny, tmp_path):
+    """A format-3 bank: the predictor is a ridge on the LM's token-table features of the routing text
+    (router.lm_features: the mean input embedding over the first tokens, centred, normalised),
+    fit on planted losses. The router built with the LM's table recomputes those features and routes
+    as planted; without the table it refuses texts but routes inputs made elsewhere; a bank that
+    reads them but holds no lm_features is refused."""
+    from dataclasses import replace
+
+    from router import lm_features
+
+    lm_bank, table = lm_routed_bank(tiny_bank, tiny)
+    _, target, ids = routed_bank(tiny_bank)
+    texts = list(TINY_BANK_TEXTS.values())
+    spec = lm_bank.router["lm_features"]
+    mean = table.table[tiny.tokenizer(texts[0], truncation=True, max_length=16)["input_ids"]].float().mean(0)
+    torch.testing.assert_close(lm_features.features(table, texts, spec)[0],
+                               torch.nn.functional.normalize(mean - torch.tensor(spec["centre"]), dim=0))
+    lm_bank.save(tmp_path / "b.json")
+    loaded = MaskBank.load(tmp_path / "b.json")
+    assert loaded.format_version == 3
+    routes = Router(loaded, lm=table).route(texts)
+    assert [r.mask_id for r in routes] == ["global@0.25", "math@0.25", "global@0.25"]
+    for r, row in zip(routes, target):
+        assert r.predicted_loss == pytest.approx(float(row[ids.index(r.mask_id)]), abs=1e-3)
+    bare = Router(loaded)
+    with pytest.raises(BankError, match="token table"):
+        bare.route(texts)
+    inputs = Router(loaded, lm=table).inputs(texts)
+    assert set(inputs) == {"encoder", "lm"}
+    assert [r.mask_id for r in bare.route_embedded(inputs, [None] * 3, [None] * 3)] == [r.mask_id for r in routes]
+    with pytest.raises(BankError, match="lm_features"):
+        Router(replace(lm_bank, router={k: v for k, v in lm_bank.router.items() if k != "lm_features"}))
+    assert set(Router(routed_bank(tiny_bank)[0], lm=table).inputs(texts)) == {"encoder"}  # it reads no table
 
 
 def test_max_loss_takes_the_sparsest_mask_within_it(tiny_bank):

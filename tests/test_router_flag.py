@@ -9,7 +9,7 @@ import socket
 import httpx
 import openai
 import pytest
-from conftest import TINY_BANK_TEXTS, routed_bank
+from conftest import TINY_BANK_TEXTS, lm_routed_bank, routed_bank
 
 from masks.bank import BankError, MaskBank
 from router.router import METHODS, Router
@@ -28,6 +28,20 @@ def test_flags_parse_into_the_config():
     with pytest.raises(SystemExit):
         parser.parse_args(["--router", "random"])
     assert config.ROUTERS == METHODS
+
+
+def test_a_server_routes_a_bank_that_reads_the_lm_token_table(serve_tiny, live_server, tiny_bank, tiny, tmp_path):
+    """The served LM's own token table feeds a format-3 bank's router: each centroid text gets the
+    mask the planted losses say (the global mask for code and chat, where nearest centroid differs)."""
+    bank, table = lm_routed_bank(tiny_bank, tiny)
+    path = tmp_path / "lm.json"
+    bank.save(path)
+    client = serve_tiny(bank=str(path)).client()
+    reference = Router(MaskBank.load(path), lm=table)
+    for domain, text in TINY_BANK_TEXTS.items():
+        info = client.completions.create(model=tiny.name, prompt=text, max_tokens=2).model_extra["igserve"]
+        assert info["mask"] == reference.route([text])[0].mask_id == ("math@0.25" if domain == "math" else "global@0.25")
+        assert info["router"] == "learned" and info["predicted_loss"] is not None
 
 
 def test_learned_and_centroid_servers_choose_differently_where_the_labels_say_so(serve_tiny, live_server,
