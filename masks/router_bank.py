@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from masks.bank import DENSE, FORMAT_VERSION, LM_FEATURES_VERSION, MaskBank
-from router.predictor import Predictor
 from masks.pool import mask_name
-from router.predictor import cross_validate, fit_spec, out_of_fold
+from router.predictor import Predictor, cross_validate, fit_spec, out_of_fold
 
 # the predictors cross-validation chooses from (router.predictor): on the encoder's embedding, and
 # where the LM's token-table features are given, on them and as a mean of a kNN and a ridge

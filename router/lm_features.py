@@ -13,10 +13,13 @@ import torch.nn.functional as F
 
 
 class TokenTable:
-    """An LM's tokenizer and input embedding table [V, H], for ``features``."""
+    """An LM's tokenizer and input embedding table [V, H], for ``features``. The tokenizer is a private
+    copy: truncating sets state on a fast tokenizer, and the server tokenises prompts on other threads."""
 
     def __init__(self, tokenizer, table: torch.Tensor):
-        self.tokenizer = tokenizer
+        import copy
+
+        self.tokenizer = copy.deepcopy(tokenizer)
         self.table = table.detach()
 
     @classmethod

@@ -3,8 +3,9 @@
 Two methods: ``centroid`` (the paper: the mask of the nearest cluster centroid, cosine) and
 ``learned`` (a predictor of each candidate's excess loss, ``router.predictor``, over the text's
 encoder embedding and, where the bank's predictor reads them, the LM's token-table features,
-``router.lm_features``; the lowest prediction within the requested budget wins). A request may ask for a budget the bank holds or for
-``max_loss``: the sparsest candidate predicted to add at most that much loss (dense if none).
+``router.lm_features``; the lowest prediction within the requested budget wins). A request may
+ask for a budget the bank holds or for ``max_loss``: the sparsest candidate predicted to add at
+most that much loss (dense if none).
 A text farther from every centroid than the bank's ``ood`` distance gets the budget's global mask
 (the mask fit on the whole corpus), and its ``Route`` says so.
 
@@ -90,8 +91,9 @@ class Router:
         # Centroid routing on a format-2 bank ignores its predictor: no predicted loss, so no max_loss either.
         self.predictor = Predictor.from_dict(bank.router) if self.method == "learned" else None
         self.lm = lm
-        self.lm_spec = bank.router.get("lm_features") if self.predictor and "lm" in self.predictor.needs() else None
-        if self.lm_spec is None and self.predictor and "lm" in self.predictor.needs():
+        reads_lm = self.predictor is not None and "lm" in self.predictor.needs()
+        self.lm_spec = bank.router.get("lm_features") if reads_lm else None
+        if reads_lm and self.lm_spec is None:
             raise BankError("mask bank's learned router reads the LM's token table but holds no lm_features")
         self.masks = bank.mask_tensors()
         self.mask_ids = list(bank.mask_ids)

@@ -145,6 +145,9 @@ def test_a_router_reading_the_lm_token_table_routes_on_it_and_needs_it(tiny_bank
     assert loaded.format_version == 3
     routes = Router(loaded, lm=table).route(texts)
     assert [r.mask_id for r in routes] == ["global@0.25", "math@0.25", "global@0.25"]
+    # its tokenizer is its own: the truncation it sets never reaches the LM's (used by other threads)
+    long_text = " ".join(texts * 4)
+    assert table.tokenizer is not tiny.tokenizer and len(tiny.tokenizer(long_text)["input_ids"]) > 16
     for r, row in zip(routes, target):
         assert r.predicted_loss == pytest.approx(float(row[ids.index(r.mask_id)]), abs=1e-3)
     bare = Router(loaded)
