@@ -351,9 +351,10 @@ def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], sparsity:
     cost = CostModel.from_model(lm.model)
     outcomes: dict[str, dict[str, _Outcome]] = {}  # task -> method -> outcome
     timing, distinct = {}, set()
+    table = TokenTable.of(lm)
     for task, exs in examples.items():
         start = time.perf_counter()
-        routed = routes(bank, [e.routing_text for e in exs], s, ood_distance, TokenTable.of(lm))
+        routed = routes(bank, [e.routing_text for e in exs], s, ood_distance, table)
         available = method_names(bank, s, routed)
         chosen_methods = available if methods is None else [m for m in available if m in methods]
         chosen = picks(chosen_methods, bank, s, routed, len(exs), generator)

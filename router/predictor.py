@@ -50,7 +50,7 @@ class Predictor:
 
     def predict(self, x: Inputs | torch.Tensor) -> torch.Tensor:
         """[n, M] predicted excess loss per candidate."""
-        x = {"encoder": x} if isinstance(x, torch.Tensor) else x
+        x = _as_inputs(x)
         if self.kind == "mean":
             return torch.stack([p.predict(x) for p in self._parts]).mean(0)
         emb = x[self.inputs].float()
@@ -70,6 +70,10 @@ class Predictor:
         return cls(data["kind"], list(data["candidates"]), dict(data["params"]), data.get("inputs", "encoder"))
 
 
+def _as_inputs(x: Inputs | torch.Tensor) -> Inputs:
+    return {"encoder": x} if isinstance(x, torch.Tensor) else x
+
+
 def _with_bias(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
 
@@ -84,10 +88,11 @@ def parse_spec(spec: str) -> list[tuple[str, str, float]]:
     parts = []
     for part in spec.split("+"):
         inputs, _, rest = part.rpartition(":")
+        inputs = inputs or "encoder"
         kind, _, value = rest.partition("=")
-        if kind not in ("ridge", "knn") or not value or (inputs or "encoder") not in INPUTS:
+        if kind not in ("ridge", "knn") or not value or inputs not in INPUTS:
             raise ValueError(f"not a predictor spec: {spec!r} (e.g. knn=20, lm:ridge=1, knn=20+lm:ridge=1)")
-        parts.append((inputs or "encoder", kind, float(value)))
+        parts.append((inputs, kind, float(value)))
     return parts
 
 
@@ -105,7 +110,7 @@ def fit(kind: str, emb: torch.Tensor, target: torch.Tensor, candidates: list[str
 
 def fit_spec(spec: str, x: Inputs | torch.Tensor, target: torch.Tensor, candidates: list[str]) -> Predictor:
     """The predictor a spec names, fit on inputs ``x`` and [n, M] targets."""
-    x = {"encoder": x} if isinstance(x, torch.Tensor) else x
+    x = _as_inputs(x)
     parts = [fit(kind, x[inputs], target, candidates, value, inputs) for inputs, kind, value in parse_spec(spec)]
     if len(parts) == 1:
         return parts[0]
@@ -125,7 +130,7 @@ def realised_loss(pred: torch.Tensor, excess: torch.Tensor, tokens: torch.Tensor
 def out_of_fold(spec: str, x: Inputs | torch.Tensor, target: torch.Tensor, folds: int = 5,
                 seed: int = 0) -> torch.Tensor:
     """[n, M] predictions for every document from a predictor fit without its fold (seeded folds)."""
-    x = {"encoder": x} if isinstance(x, torch.Tensor) else x
+    x = _as_inputs(x)
     n = len(target)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     pred = torch.empty(target.shape, dtype=torch.float32)
