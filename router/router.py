@@ -116,7 +116,11 @@ class Router:
         return self._encoder
 
     def warm_up(self) -> None:
+        """The encoder's warm-up, then one route through the whole path (the LM's features, the
+        predictor), so the first request does not pay their first calls."""
         self.encoder.warm_up()
+        if self.lm_spec is None or self.lm is not None:
+            self.route(["warm-up"])
 
     def check(self, budget: float | None = None, max_loss: float | None = None) -> None:
         """Raise ``ValueError`` (message fit for a client) for a budget / max_loss this bank cannot serve."""

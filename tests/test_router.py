@@ -161,6 +161,22 @@ def test_a_router_reading_the_lm_token_table_routes_on_it_and_needs_it(tiny_bank
     assert set(Router(routed_bank(tiny_bank)[0], lm=table).inputs(texts)) == {"encoder"}  # it reads no table
 
 
+def test_warm_up_routes_once_through_the_predictor_and_the_lm_features(tiny_bank, tiny, monkeypatch):
+    """So the first request does not pay their first calls; a router without the LM's table (it can
+    route only inputs made elsewhere) warms its encoder alone."""
+    lm_bank, table = lm_routed_bank(tiny_bank, tiny)
+    router = Router(lm_bank, lm=table)
+    calls = []
+    predict = router.predictor.predict
+    monkeypatch.setattr(router.predictor, "predict", lambda x: calls.append(set(x)) or predict(x))
+    router.warm_up()
+    assert calls == [{"encoder", "lm"}]
+    bare = Router(lm_bank)
+    monkeypatch.setattr(bare.predictor, "predict", lambda x: calls.append(set(x)) or predict(x))
+    bare.warm_up()
+    assert len(calls) == 1
+
+
 def test_max_loss_takes_the_sparsest_mask_within_it(tiny_bank):
     bank, _, _ = routed_bank(tiny_bank)
     router = Router(bank)
