@@ -1,7 +1,7 @@
 """`python -m masks.learn_router`: a multi-budget bank with a learned router, from a built bank.
 
 Steps: candidate pool at every budget (``masks.pool``: prefixes of the built bank's greedy orders,
-static masks, optional shared-core masks) -> labels: each sampled training document's loss under
+static masks, optional shared-core masks, the cluster masks of banks built at other k) -> labels: each sampled training document's loss under
 every candidate (``masks.labels``, cached) -> a per-candidate loss predictor over the routing
 inputs (the encoder's embedding and the LM's token-table features: ``router.predictor``,
 ``router.lm_features``), chosen by cross-validation on the training labels only -> OOD threshold
@@ -23,7 +23,7 @@ import torch
 from masks.bank import MaskBank
 from masks.corpus import load_texts
 from masks.labels import score_documents
-from masks.pool import candidate_pool
+from masks.pool import candidate_pool, more_cluster_masks
 
 DEFAULT_CACHE = Path("data/labels-cache")
 
@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default="0.125,0.25", help="comma-separated sparsities the new bank holds")
     parser.add_argument("--default-budget", type=float, help="budget of requests that ask for none (default: the bank's)")
     parser.add_argument("--cores", default="", help="shared-core candidates, budget:blocks,... (e.g. 0.25:10)")
+    parser.add_argument("--more-clusters", type=Path, nargs="*", default=[],
+                        help="banks built from the same data at other cluster counts: their cluster masks join the pool")
     parser.add_argument("--data", type=Path, default=Path("data/corpus/train"), help="training documents (labels)")
     parser.add_argument("--docs-per-domain", type=int, default=20, help="seeded sample of each domain for labels")
     parser.add_argument("--max-len", type=int, default=64, help="tokens scored per label document")
@@ -88,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
     source.check_model(lm.fingerprint, runner.num_blocks)
     budgets = [float(s) for s in args.budgets.split(",")]
     pool = candidate_pool(source, budgets, parse_cores(args.cores))
+    others = [MaskBank.load(p) for p in args.more_clusters]
+    for path, other in zip(args.more_clusters, others):
+        other.check_model(lm.fingerprint, runner.num_blocks)
+        if other.training.get("data") != source.training.get("data"):
+            raise SystemExit(f"error: {path}: not built from the same data as {args.bank}")
+    added = more_cluster_masks(pool, others, budgets)
     docs = label_documents(args.data, args.docs_per_domain, args.seed)
     labels = make_labels(lm, runner, docs, pool, args.max_len, args.batch_size, args.cache)
     label_seconds = round(time.perf_counter() - start, 1)
@@ -109,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         spec = lm_features.fit_spec(table, texts, args.max_len)
         feats = lm_features.features(table, texts, spec)
     bank = build_routed_bank(source, pool, docs, labels, budgets, saved, args, feats, spec)
+    if others:
+        bank.training["more_clusters"] = {"banks": [str(p) for p in args.more_clusters], "candidates": added}
     bank.training["labels"] = {"documents": len(docs), "docs_per_domain": args.docs_per_domain, "max_len": args.max_len,
                                "weights": lm.weights, "activations": str(runner.dtype).removeprefix("torch."),
                                "masks": len(pool) + 1, "pairs_scored": labels["scored"],

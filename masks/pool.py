@@ -5,6 +5,10 @@ blocks. A bank built at sparsity s stores every cluster's removal order and the 
 order, so it answers every smaller budget for free; ShortGPT's influence scores and the global L0
 gate logits it stores are binarised at each budget the same way.
 
+``more_cluster_masks`` adds the cluster masks of banks built on the same data at other cluster
+counts (e.g. k=4 and k=16): coarser and finer clusterings give candidates the router can tell
+apart where the bank's own k cannot. Their centroids are not used.
+
 ``shared_core`` makes masks that batch well: every cluster mask of a budget skips the same first
 ``core`` blocks of the global greedy order, then the first blocks of its own order not in that
 core. A decode batch mixing such masks can still skip the whole core.
@@ -75,6 +79,24 @@ def candidate_pool(bank: MaskBank, budgets: list[float], cores: dict[float, int]
         for name, m in static_masks(bank, s).items():
             pool[mask_name(name, s)] = {"budget": s, "mask": m, "kind": "static"}
     return pool
+
+
+def more_cluster_masks(pool: dict[str, dict], banks: list[MaskBank], budgets: list[float]) -> int:
+    """Add each bank's cluster masks at every budget to ``pool`` (ids 'k<clusters>-<cluster>@<budget>',
+    kind "cluster", no centroid of the pool's bank), skipping masks the pool already holds. Returns how
+    many were added."""
+    from masks.labels import mask_key
+
+    held = {mask_key(p["mask"]) for p in pool.values()}
+    added = 0
+    for bank in banks:
+        for s in budgets:
+            for cid, m in cluster_masks(bank, s).items():
+                if mask_key(m) not in held:
+                    held.add(mask_key(m))
+                    pool[mask_name(f"k{len(bank.mask_ids)}-{cid}", s)] = {"budget": s, "mask": m, "kind": "cluster"}
+                    added += 1
+    return added
 
 
 def shared_skips(masks: list[torch.Tensor]) -> int:

@@ -7,7 +7,7 @@ import torch
 
 from masks.bank import MaskBank
 from masks.labels import score_documents
-from masks.pool import candidate_pool, cluster_masks, shared_skips, static_masks
+from masks.pool import candidate_pool, cluster_masks, more_cluster_masks, shared_skips, static_masks
 from router.predictor import Predictor, cross_validate, fit, out_of_fold
 
 BLOCKS = [f"{k}_{i}" for i in range(4) for k in ("attn", "ffn")]
@@ -51,6 +51,22 @@ def test_shared_core_masks_all_skip_the_core():
         | {"c0@0.25", "c1@0.25", "core2-c0@0.375", "core2-c1@0.375"}
     assert pool["core2-c1@0.375"]["kind"] == "core" and pool["core2-c1@0.375"]["cluster"] == "c1"
     assert all(int((~p["mask"]).sum()) == round(p["budget"] * 8) for p in pool.values())
+
+
+def test_other_cluster_counts_add_their_masks_once():
+    bank = _bank()
+    other = _bank()  # a bank at k=3: one cluster repeats c0's order, the others are new
+    orders = {"c0": [1, 4, 6, 2], "c1": [0, 2, 4, 6], "c2": [7, 5, 3, 1]}
+    other.mask_ids = list(orders)
+    other.clusters = [{"id": c, "greedy_removal": [BLOCKS[j] for j in o]} for c, o in orders.items()]
+    pool = candidate_pool(bank, [0.25, 0.5])
+    before = {k: _skipped(p["mask"]) for k, p in pool.items()}
+    assert more_cluster_masks(pool, [other], [0.25, 0.5]) == 4
+    added = {k: _skipped(p["mask"]) for k, p in pool.items() if k not in before}
+    assert added == {"k3-c1@0.25": {0, 2}, "k3-c2@0.25": {5, 7}, "k3-c1@0.5": {0, 2, 4, 6},
+                     "k3-c2@0.5": {1, 3, 5, 7}}  # k3-c0 is c0 at both budgets, k3-c1@0.5's set is new
+    assert all(pool[k]["kind"] == "cluster" and "cluster" not in pool[k] for k in added)
+    assert more_cluster_masks(pool, [other], [0.25, 0.5]) == 0  # nothing is added twice
 
 
 def test_ridge_recovers_a_linear_map_and_knn_its_neighbours():
