@@ -1,12 +1,12 @@
 """`python -m masks.learn_router`: a multi-budget bank with a learned router, from a built bank.
 
 Steps: candidate pool at every budget (``masks.pool``: prefixes of the built bank's greedy orders,
-static masks, optional shared-core masks, the cluster masks of banks built at other k) -> labels: each sampled training document's loss under
-every candidate (``masks.labels``, cached) -> a per-candidate loss predictor over the routing
-inputs (the encoder's embedding and the LM's token-table features: ``router.predictor``,
-``router.lm_features``), chosen by cross-validation on the training labels only -> OOD threshold
-from the calibration documents' centroid distances -> a format-2 bank (``masks.bank``; format 3
-where the predictor reads the LM's features).
+static masks, optional shared-core masks, the cluster masks of banks built at other k) -> labels:
+each sampled training document's loss under every candidate (``masks.labels``, cached) -> a
+per-candidate loss predictor over the routing inputs (the encoder's embedding and the LM's
+token-table features: ``router.predictor``, ``router.lm_features``), chosen by cross-validation on
+the training labels only -> OOD threshold from the calibration documents' centroid distances -> a
+format-2 bank (``masks.bank``; format 3 where the predictor reads the LM's features).
 """
 
 from __future__ import annotations
