@@ -93,8 +93,11 @@ def more_cluster_masks(pool: dict[str, dict], banks: list[MaskBank], budgets: li
         for s in budgets:
             for cid, m in cluster_masks(bank, s).items():
                 if mask_key(m) not in held:
+                    name = mask_name(f"k{len(bank.mask_ids)}-{cid}", s)
+                    if name in pool:
+                        raise ValueError(f"two banks give candidate {name}: one bank per cluster count")
                     held.add(mask_key(m))
-                    pool[mask_name(f"k{len(bank.mask_ids)}-{cid}", s)] = {"budget": s, "mask": m, "kind": "cluster"}
+                    pool[name] = {"budget": s, "mask": m, "kind": "cluster"}
                     added += 1
     return added
 

@@ -67,6 +67,12 @@ def test_other_cluster_counts_add_their_masks_once():
                      "k3-c2@0.5": {1, 3, 5, 7}}  # k3-c0 is c0 at both budgets, k3-c1@0.5's set is new
     assert all(pool[k]["kind"] == "cluster" and "cluster" not in pool[k] for k in added)
     assert more_cluster_masks(pool, [other], [0.25, 0.5]) == 0  # nothing is added twice
+    rival = _bank()  # another k=3 bank whose masks differ: its ids would overwrite the first's
+    rival.mask_ids = list(orders)
+    rival.clusters = [{"id": c, "greedy_removal": [BLOCKS[j] for j in o]}
+                      for c, o in zip(orders, ([3, 5, 0, 7], [5, 0, 2, 4], [4, 7, 1, 6]))]
+    with pytest.raises(ValueError, match="one bank per cluster count"):
+        more_cluster_masks(pool, [rival], [0.25])
 
 
 def test_ridge_recovers_a_linear_map_and_knn_its_neighbours():
