@@ -6,8 +6,8 @@ order, so it answers every smaller budget for free; ShortGPT's influence scores 
 gate logits it stores are binarised at each budget the same way.
 
 ``more_cluster_masks`` adds the cluster masks of banks built on the same data at other cluster
-counts (e.g. k=4 and k=16): coarser and finer clusterings give candidates the router can tell
-apart where the bank's own k cannot. Their centroids are not used.
+counts (e.g. k=4 and k=16): masks fit to groups that the bank's own clusters split or merge.
+Their centroids are not used.
 
 ``shared_core`` makes masks that batch well: every cluster mask of a budget skips the same first
 ``core`` blocks of the global greedy order, then the first blocks of its own order not in that
@@ -21,6 +21,7 @@ import torch
 from masks.bank import MaskBank
 from masks.baselines import mask_without
 from masks.hard_concrete import binarise, budget
+from masks.labels import mask_key
 
 
 def mask_name(name: str, sparsity: float) -> str:
@@ -85,8 +86,6 @@ def more_cluster_masks(pool: dict[str, dict], banks: list[MaskBank], budgets: li
     """Add each bank's cluster masks at every budget to ``pool`` (ids 'k<clusters>-<cluster>@<budget>',
     kind "cluster", no centroid of the pool's bank), skipping masks the pool already holds. Returns how
     many were added."""
-    from masks.labels import mask_key
-
     held = {mask_key(p["mask"]) for p in pool.values()}
     added = 0
     for bank in banks:
