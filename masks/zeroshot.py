@@ -48,6 +48,7 @@ from tqdm import tqdm
 from masks.bank import DENSE, MaskBank
 from masks.corpus import ZEROSHOT_TASKS
 from masks.evaluate import save_figure, write_report
+from masks.labels import mask_key
 from masks.mc_tasks import MCExample, encode_pair, load_task, select
 
 BATCH_TOKENS = 2048  # rows x padded length per runner call (bounds the [rows, T, vocab] logits)
@@ -198,10 +199,6 @@ def _continuation_totals(runner, hidden: torch.Tensor, chunks: list[list[int]], 
     return torch.zeros(len(chunks), dtype=torch.float64).index_add_(0, row_t, logp.double()).tolist()
 
 
-def _mask_key(mask: torch.Tensor) -> str:
-    return "".join("1" if keep else "0" for keep in mask.tolist())
-
-
 def cached_loglikelihoods(lm, examples: list[MCExample], masks: torch.Tensor, cache: Path | None,
                           batch_tokens: int = BATCH_TOKENS, desc: str = "score",
                           needed: list[set[int]] | None = None) -> tuple[np.ndarray, int]:
@@ -215,7 +212,7 @@ def cached_loglikelihoods(lm, examples: list[MCExample], masks: torch.Tensor, ca
     if path and path.is_file():
         with path.open() as f:
             known = {(row["doc_id"], row["mask"]): row["ll"] for row in map(json.loads, f)}
-    keys = [_mask_key(m) for m in masks]
+    keys = [mask_key(m) for m in masks]
     out = np.full((len(examples), len(masks), max(len(e.contexts) for e in examples)), -np.inf)
     missing: dict[int, list[int]] = {}  # mask row -> the examples that lack it
     for i, e in enumerate(examples):
@@ -369,7 +366,7 @@ def evaluate(lm, bank: MaskBank, examples: dict[str, list[MCExample]], sparsity:
             by_metric["oracle"] = oracle_picks(clusters, index, margins)
         saved = np.array([cost.compute_saved(m) for m in masks])
         outcomes[task] = {m: _Outcome.of(by_metric[m], margins, index, saved) for m in chosen_methods}
-        distinct |= {_mask_key(m) for m in masks}
+        distinct |= {mask_key(m) for m in masks}
         wall = time.perf_counter() - start
         timing[task] = {"wall_s": round(wall, 1), "positions_computed": computed,
                         "positions_per_s": round(computed / wall) if computed else None}
