@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
@@ -25,10 +24,10 @@ from pathlib import Path
 
 import httpx
 
-from server.weights import cpu_flags, cpu_model
 from bench.serve import PROMPTS, _free_port, run_clients, start_server, wait_healthy
 from server import cpu_kernels, models
 from server.config import DEFAULT_BANK
+from server.weights import machine
 
 LLAMA_FORMATS = {"Q4_1": None, "BF16": "bf16", "F32": "f32"}  # None: the packaged GGUF as shipped
 # the llama.cpp format each igserve weight format is compared with at batch 1
@@ -42,6 +41,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bank", default=DEFAULT_BANK)
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--min-requests", type=int, default=16,
+                        help="at least this many requests per run: fewer clients send more each, so the "
+                             "1-client latency percentiles are not the median of 4")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--formats", default=",".join(LLAMA_FORMATS), help="llama-server GGUF formats")
     parser.add_argument("--weights", default="auto", help="igserve --weights")
@@ -141,11 +143,16 @@ async def clients_against(url: str, modes: list[str], args, client_counts: list[
             await run_clients(http, model, warm, mode, 1, len(warm), 4)
         for clients in client_counts:
             for mode in modes:
-                run = await run_clients(http, model, prompts, mode, clients, args.requests_per_client, args.max_tokens)
+                run = await run_clients(http, model, prompts, mode, clients, per_client(args, clients), args.max_tokens)
                 print(f"  {mode:>5} x{clients:<3} {run['output_tok_s']:8.2f} tok/s  ttft p50 {run['ttft_ms_p50']} ms  "
                       f"tpot p50 {run['tpot_ms_p50']} ms  errors {run['errors']}", flush=True)
                 runs.append(run)
     return runs
+
+
+def per_client(args, clients: int) -> int:
+    """Requests each client sends: --requests-per-client, more where that gives under --min-requests."""
+    return max(args.requests_per_client, -(-args.min_requests // clients))
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -292,8 +299,8 @@ def run(args) -> int:
         "runs": runs,
         "acceptance": accepted,
         "llama_bench_decode_tok_s": bench,
-        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags()},
-        "config": {"clients": client_counts, "requests_per_client": args.requests_per_client,
+        "machine": machine(),
+        "config": {"clients": client_counts, "requests_per_client": {c: per_client(args, c) for c in client_counts},
                    "max_tokens": args.max_tokens, "ignore_eos": True, "prompts": str(args.prompts),
                    "warmup": f"{WARMUP_REQUESTS} requests per mode (the last prompts of the file), 4 tokens each",
                    "igserve": {"weights": health.get("weights"), "kernels": health.get("kernels"), "dtype": health.get("dtype"),

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from server.weights import cpu_flags, cpu_model
+from server.weights import machine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +104,7 @@ def run(args) -> int:
     result["params"]["json"] = str(args.json)
     report = json.loads(args.json.read_text()) if args.json.exists() else {"runs": {}}
     report["runs"][args.label] = result
-    report["machine"] = {"cpu": cpu_model(), "cpu_flags": cpu_flags()}
+    report["machine"] = machine()
     report["command"] = "igserve bench itl --url URL --label LABEL (server as in runs.*.server)"
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")

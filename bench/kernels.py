@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from server import models, weights as wf
+from server import cpu_kernels, models, weights as wf
 from server.cost import module_bytes
 from server.runner import BlockRunner
 
@@ -78,7 +78,7 @@ def run(args) -> int:
     report = {"command": args.invocation, "model": args.model, "threads": torch.get_num_threads(),
               "cpu": wf.cpu_model(), "cpu_flags": wf.cpu_flags(), "cpus": os.cpu_count(),
               "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "repeats": args.repeats, "formats": {}}
+              "repeats": args.repeats, **cpu_kernels.int4bf16_rows(), "formats": {}}
     for fmt in args.weights.split(","):
         weights, dtype = models.resolve_weights(fmt)
         lm = models.load(args.model, dtype=dtype, weights=weights)

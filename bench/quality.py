@@ -21,6 +21,7 @@ from masks.corpus import load_domain_dir
 from masks.evaluate import DENSE, score_batch
 from server import models
 from server.runner import BlockRunner
+from server.weights import machine
 
 
 def add_arguments(parser) -> None:
@@ -119,7 +120,7 @@ def run(args) -> int:
             rows.append(row)
         report = {"model": args.model, "data": str(args.data), "docs": len(docs), "max_len": args.max_len,
                   "agreement_prompts": len(items), "agree_tokens": args.agree_tokens,
-                  "reference": rows[0]["weights"], "commands": commands, "formats": rows}
+                  "reference": rows[0]["weights"], "commands": commands, "machine": machine(), "formats": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")  # after every format
     return 0

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from server.weights import cpu_flags, cpu_model
 from server import models
 from server.config import DEFAULT_BANK
+from server.weights import machine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,7 +111,7 @@ def run(args) -> int:
         proc.terminate()
         proc.wait(timeout=60)
     report.update(command=f"igserve bench reliability --body-mb {args.body_mb} --json {args.json}",
-                  server=" ".join(cmd[2:]), machine={"cpu": cpu_model(), "cpu_flags": cpu_flags()})
+                  server=" ".join(cmd[2:]), machine=machine())
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

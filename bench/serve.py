@@ -32,6 +32,7 @@ import numpy as np
 
 from server import models
 from server.config import DEFAULT_BANK
+from server.weights import machine
 
 PROMPTS = Path(__file__).resolve().parents[1] / "load" / "prompts.jsonl"
 MODES = {"ig": "auto", "dense": "dense"}
@@ -265,7 +266,9 @@ def run(args) -> int:
                          "max_batch": None if args.url else args.max_batch or max(client_counts),
                          "server_args": None if args.url else args.server_args,
                          "requests_per_client": args.requests_per_client, "max_tokens": args.max_tokens,
-                         "prompts": str(args.prompts), "cpus": os.cpu_count()}}
+                         "prompts": str(args.prompts)},
+              # the machine this command ran on: the server's too, unless --url names another one
+              "machine": machine(), "command": args.invocation}
     print(json.dumps(result["acceptance"], indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

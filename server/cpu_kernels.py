@@ -6,7 +6,7 @@ row, so on a CPU without native bf16 arithmetic each linear paid two casts and a
 nearly its row count times one row. These kernels expand each weight group once per call and
 use it for every row, in float32: the result is the Q4_1 dequantisation to float32 rounding.
 With ``q8`` (format int4q8) the activations are rounded to int8 first and one row runs integer
-dot products, as llama.cpp does. One row of int4q8 and a few rows of int4bf16 (``tile_rows``, x in
+dot products, as llama.cpp does. One row of int4q8 and up to ``tile_rows`` rows of int4bf16 (x in
 two int8 digits) run on AVX-512 VNNI (``vnni_tiles``) over a copy of the groups in 16-channel tiles
 (``pack_q4_tiles``), chosen at run time: the build itself needs AVX2 only.
 Built on first use with torch's extension builder (cached under ``$IGSERVE_CACHE/kernels``;
@@ -116,8 +116,8 @@ def wide_rows() -> int:
 
 @functools.cache
 def tile_rows() -> int:
-    """Rows up to which an int4bf16 linear runs its tiles where ``vnni_tiles()``
-    (9 with AMX, past ``wide_rows()``; else 4; weight_only.cpp)."""
+    """Rows up to which an int4bf16 linear runs its tiles where ``vnni_tiles()``, past
+    ``wide_rows()`` (9 with AMX, else 32; weight_only.cpp)."""
     return torch.ops.igserve.tile_rows()
 
 
@@ -195,3 +195,9 @@ def bf16_linear(x2: torch.Tensor, w: torch.Tensor, wide: torch.Tensor | None = N
     """x2 [R, K] float32 @ W^T for a bfloat16 W [N, K] -> [R, N] float32: each weight widened to float32
     (exact), so the product is the float32 one with W's values; ``wide`` as for ``q4_linear``."""
     return torch.ops.igserve.bf16_linear(x2, w, wide)
+
+
+def f32_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 [R, K] float32 @ W^T for a float32 W [N, K]: the register tiles for up to 4 rows (one read
+    of each weight, where BLAS's one-row product is slower on some CPUs), torch's matmul above."""
+    return torch.ops.igserve.f32_linear(x2, w)

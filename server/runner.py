@@ -131,6 +131,8 @@ class BlockRunner:
             cos, sin = self.rotary(probe, torch.arange(positions, device=self.device)[None])
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_len, head_dim]
         self.fused = self._fused_layers() if fused is not False else None
+        if self.fused is not None:
+            self.lm_head = weights.native_head(self.lm_head)
         if fused and self.fused is None:
             raise ValueError("the fused CPU blocks need float32 on a CPU with igserve's kernels and SiLU FFNs")
         if kv_dtype == "auto":

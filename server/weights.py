@@ -14,7 +14,8 @@
   ``wide_rows()`` rows and more run oneDNN's bf16 matmuls on it; on a CPU with AVX-512 VNNI calls
   of up to ``tile_rows()`` rows of an int4 linear multiply the Q4_1 groups, in 16-channel tiles, in
   integer dot products (the weights exact, x in two int8 digits per group: 2^-16 of the group's
-  largest value); the rows between run the float32 kernels.
+  largest value), which reaches past ``wide_rows()``; without VNNI the rows below it run the
+  float32 kernels.
 * ``int8``: symmetric per-output-channel int8 (``_weight_int8pack_mm``), for 16/32-bit models.
 * ``bf16``: bfloat16 weights. With float32 activations (the default where igserve's kernels run)
   every linear is a ``Bf16Linear``: few rows widen each weight to float32 exactly, ``wide_rows()``
@@ -25,14 +26,17 @@
 
 Kernels: with float32 activations on a CPU that has AVX2/FMA/F16C (``native``), both formats run
 igserve's own kernels (server/cpu_kernels.py), which compute in float32 on the exact stored
-weights: int4 keeps d and m in fp16 as the GGUF does. Otherwise torch's kernels run in bfloat16
-(the scales' dtype). Norms, rotary, attention and the KV cache run in the activation dtype. CUDA
-paths (torch's tinygemm int4 kernel; int8 as a dequantising matmul) are untested.
+weights: int4 keeps d and m in fp16 as the GGUF does. ``fp32`` stays plain ``nn.Linear``s; the
+fused blocks run its few-row calls, and ``native_head`` its lm_head's, in the same register
+tiles. Otherwise torch's kernels run in bfloat16 (the scales' dtype). Norms, rotary, attention
+and the KV cache run in the activation dtype. CUDA paths (torch's tinygemm int4 kernel; int8 as a
+dequantising matmul) are untested.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -490,6 +494,32 @@ def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.T
     return None
 
 
+class F32Head(torch.nn.Module):
+    """A bias-free float32 linear (the fp32 format's lm_head) whose inference calls on rows run
+    igserve's kernel (``cpu_kernels.f32_linear``: register tiles up to 4 rows, torch's matmul
+    above); calls that need gradients, or on other shapes, stay ``F.linear``."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight = linear.weight  # shared: tied to the embedding as before
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):
+        if x.dim() == 2 and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad):
+            from server import cpu_kernels
+
+            return cpu_kernels.f32_linear(x.contiguous(), self.weight)
+        return F.linear(x, self.weight)
+
+
+def native_head(lm_head: torch.nn.Module) -> torch.nn.Module:
+    """The lm_head as runners with igserve's fused blocks call it: a plain float32 one as an
+    ``F32Head``; every other format's already runs igserve's kernels or torch's, as chosen at load."""
+    if type(lm_head) is torch.nn.Linear and lm_head.bias is None and lm_head.weight.dtype == torch.float32:
+        return F32Head(lm_head)
+    return lm_head
+
+
 def kernels(model: torch.nn.Module) -> str:
     """Which kernels the linears run (in /health and reports): "igserve-avx2" or "torch"."""
     native = any(getattr(m, "native", False) for m in model.modules() if isinstance(m, _WeightOnlyLinear))
@@ -546,6 +576,11 @@ def cpu_flags() -> list[str]:
 
 def cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """The machine a measurement ran on, as the reports record it."""
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags()}
 
 
 def _cpuinfo(field: str) -> str:

@@ -105,3 +105,11 @@ def test_acceptance_reports_ig_over_dense_at_the_most_clients():
     assert got["ig_over_dense_max_clients"] == 0.8
     assert got["ig_over_best_llama_x1"] == {"ratio": 1.1, "llama_best_format": "Q4_1", "ok": True}
     assert got["ig_over_best_llama_x16"]["ok"] is True and got["ttft_p50_x1"]["ok"] is True
+
+
+def test_runs_send_at_least_min_requests():
+    """Few clients send more requests each, so a 1-client percentile is not the median of 4."""
+    args = compare.argparse_namespace(requests_per_client=4, min_requests=16)
+    assert [compare.per_client(args, c) for c in (1, 3, 4, 16)] == [16, 6, 4, 4]
+    args.min_requests = 0
+    assert compare.per_client(args, 1) == 4

@@ -139,6 +139,38 @@ def test_native_int8_kernel_is_its_dequantised_weight(rows):
 
 
 @native
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16])
+def test_native_f32_kernel_is_the_float32_product(rows):
+    """The fp32 format's linears in the fused blocks, and its lm_head: up to 4 rows igserve's register
+    tiles (a row's bits the same in any batch of 2 to 4), from 5 torch's matmul."""
+    w = _weight(n=67, k=96, seed=rows)  # 67 channels: the one-channel tail of every pass
+    x = torch.randn(rows, 96)
+    y = cpu_kernels.f32_linear(x, w)
+    torch.testing.assert_close(y, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+    if rows > 4:
+        assert torch.equal(y, F.linear(x, w))
+    elif rows > 1:
+        assert torch.equal(cpu_kernels.f32_linear(x[1:], w), y[1:])
+    # shapes the tiles do not take run torch's matmul: K not a multiple of 32, a strided weight
+    assert torch.equal(cpu_kernels.f32_linear(x[:, :40].contiguous(), w[:, :40]), F.linear(x[:, :40], w[:, :40]))
+
+
+@native
+def test_fp32_runner_heads_run_the_kernel_and_keep_gradients_and_ties(tiny):
+    """With the fused blocks the fp32 lm_head is an F32Head on the tied embedding; its logits are
+    F.linear's to float32 rounding, and a call that needs gradients is F.linear itself."""
+    runner = BlockRunner(tiny.model, max_batch=1, max_len=64, fused=True)
+    head = runner.lm_head
+    assert isinstance(head, weights.F32Head) and head.weight is tiny.model.lm_head.weight
+    h = torch.randn(3, head.in_features)
+    torch.testing.assert_close(head(h), F.linear(h, head.weight), rtol=1e-5, atol=1e-5)
+    g = h.clone().requires_grad_(True)
+    head(g).sum().backward()
+    torch.testing.assert_close(g.grad, head.weight.sum(0).expand_as(h), rtol=1e-4, atol=1e-3)  # a sum over the vocabulary
+    assert BlockRunner(tiny.model, max_batch=1, max_len=64, fused=False).lm_head is tiny.model.lm_head
+
+
+@native
 def test_row_argmax_is_torch_argmax_with_the_first_index_on_ties():
     """The sampler's greedy argmax (blocks.cpp, eight lanes then the tail): torch's answer on every
     row, ties to the first index across lanes and the tail, an all -inf row to token 0."""
@@ -174,13 +206,13 @@ def test_int8_matches_its_dequantised_weight():
 
 
 @native
-def test_int4bf16_switches_to_onednn_at_5_rows_with_amx_else_at_14_and_tiles_run_9_or_4():
+def test_int4bf16_switches_to_onednn_at_5_rows_with_amx_else_at_14_and_tiles_run_9_or_32():
     """The kernels' own CPU check agrees with the CPU's flags (unless IGSERVE_WIDE_ROWS overrides it)."""
     if os.environ.get("IGSERVE_WIDE_ROWS") or os.environ.get("IGSERVE_TILE_ROWS"):
         pytest.skip("IGSERVE_WIDE_ROWS or IGSERVE_TILE_ROWS is set")
     amx = "amx_bf16" in weights.cpu_flags()
     assert cpu_kernels.wide_rows() == (5 if amx else 14)
-    assert cpu_kernels.tile_rows() == (9 if amx else 4)  # int4bf16's tiles, ahead of oneDNN up to 9 rows with AMX
+    assert cpu_kernels.tile_rows() == (9 if amx else 32)  # int4bf16's tiles, ahead of oneDNN up to 9 rows with AMX
 
 
 @native
@@ -218,10 +250,10 @@ def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
 
 
 @native
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 10])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 10, 32, 33])
 @pytest.mark.parametrize("k", [96, 576, 1536])
 def test_few_int4bf16_rows_multiply_exact_weights_by_two_digit_x_where_the_cpu_does(k, rows):
-    """Up to ``tile_rows()`` rows of an int4bf16 linear (4; 9 with AMX): on AVX-512 VNNI, integer dot
+    """Up to ``tile_rows()`` rows of an int4bf16 linear (32; 9 with AMX): on AVX-512 VNNI, integer dot
     products on 16-channel tiles, the product of x in two int8 digits per group (``round_i8x2``)
     with the exact Q4_1 weights to float32 rounding: far closer to the exact product than bf16
     rounding of x, and not the float32 kernel's bits; a row's result does not depend on the rows

@@ -93,7 +93,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at:
     y = igserve::i8_linear(x, w[0], w[1], wide);
   } else {
     TORCH_CHECK(w[0].scalar_type() == at::kFloat, "dense weights must be float32");
-    y = at::linear(x, w[0]);
+    y = igserve::f32_linear(x, w[0]);
   }
   if (bias && bias->defined()) y.add_(*bias);
   return y;

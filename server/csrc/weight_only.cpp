@@ -5,7 +5,7 @@
 // more (batched decode, prefill chunks). Weights are exactly what the formats store: Q4_1 groups
 // (w = d*q + m, rounded as q*d then + m, as the float reference does; a single row factors the
 // product instead, see tile_q4_row), int8 per output channel (w = s*q, scaled after the dot
-// product) and bfloat16 (format bf16: widened exactly).
+// product) and bfloat16 (format bf16: widened exactly); float32 (format fp32) for up to 4 rows only.
 //
 // q8 (Q4_1 only): the activations are first rounded per row and group of 32 to int8 with one
 // float scale (absmax / 127), as llama.cpp's Q8_1 does. A single row then runs integer dot
@@ -122,6 +122,26 @@ struct BF16 {
       for (int i = 0; i < 4; ++i)
         v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * GROUP + 8 * i))), 16));
+    }
+  };
+  inline Channel channel(int64_t n) const { return {w + n * K, AHEAD * K}; }
+  inline float scale(int64_t) const { return 1.0f; }
+};
+
+// float32 [N, K]: nothing to expand, so only few rows run here (f32_linear); the register tiles
+// read each weight once for all their rows and prefetch ahead as for the other formats.
+struct F32 {
+  const float* w;  // [N, K]
+  int64_t K;
+  struct Channel {
+    const float* w;
+    int64_t ahead;  // elements to the same place AHEAD channels on
+    inline void prefetch(int64_t g) const {
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP) + PF, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP + ahead), _MM_HINT_T0);
+    }
+    inline void expand(int64_t g, __m256 v[4]) const {
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(w + g * GROUP + 8 * i);
     }
   };
   inline Channel channel(int64_t n) const { return {w + n * K, AHEAD * K}; }
@@ -437,11 +457,12 @@ constexpr int64_t EXPAND_ROWS = 4;  // the expanded path from 5 rows (a hand-run
 // kernels between the few-row tiles and it (README, "Weight formats").
 // IGSERVE_WIDE_ROWS overrides the choice, to measure it.
 constexpr int64_t WIDE_ROWS = 14, WIDE_ROWS_AMX = EXPAND_ROWS + 1;
-// Up to tile_rows() rows an int4bf16 linear runs its tiles (q4_tile_i8x2; above that, the
-// float32 kernels or oneDNN). With AMX that reaches past wide_from(): the tiles, read once for all
-// rows, beat oneDNN's matmul up to about 9 rows (hand-run, README "Weight formats"); elsewhere 4,
-// as measured with the earlier per-channel bf16 kernel. IGSERVE_TILE_ROWS overrides it, to measure it.
-constexpr int64_t TILE_ROWS_AMX = 9;
+// Up to tile_rows() rows an int4bf16 linear runs its tiles (q4_tile_i8x2; above that, oneDNN). The
+// tiles are read once for all rows and take as many dot-product instructions per weight as
+// oneDNN's AVX-512 BF16 matmul, on a quarter of its bytes: without AMX they beat it and the float32
+// kernels up to 32 rows and more (README, "Weight formats"); AMX's tile matmul overtakes them at
+// about 9. IGSERVE_TILE_ROWS overrides it, to measure it.
+constexpr int64_t TILE_ROWS = 32, TILE_ROWS_AMX = 9;
 
 // A row threshold chosen by whether the CPU has AMX, unless the environment variable names one
 // (at least `floor`).
@@ -450,7 +471,7 @@ int64_t rows_for_cpu(const char* env, int64_t amx, int64_t other, int64_t floor)
   return __builtin_cpu_supports("amx-bf16") ? amx : other;
 }
 int64_t tile_rows() {
-  static const int64_t rows = rows_for_cpu("IGSERVE_TILE_ROWS", TILE_ROWS_AMX, EXPAND_ROWS, 0);
+  static const int64_t rows = rows_for_cpu("IGSERVE_TILE_ROWS", TILE_ROWS_AMX, TILE_ROWS, 0);
   return rows;
 }
 int64_t wide_from() {
@@ -680,6 +701,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   return y;
 }
 
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "w must be a float32 [N, K] weight");
+  // from EXPAND_ROWS + 1 rows each weight is read often enough that BLAS's blocking wins
+  if (x.dim() != 2 || x.size(0) > EXPAND_ROWS || x.size(1) != K || K % GROUP || x.scalar_type() != at::kFloat ||
+      !x.is_contiguous() || !w.is_contiguous())
+    return at::linear(x, w);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  run(F32{w.data_ptr<float>(), K}, x.data_ptr<float>(), x.size(0), K, y.data_ptr<float>(), N);
+  return y;
+}
+
 }  // namespace igserve
 
 int64_t wide_rows() { return wide_from(); }
@@ -693,12 +726,14 @@ TORCH_LIBRARY(igserve, lib) {
   lib.def("vnni_tiles() -> bool", vnni_tiles);
   lib.def("i8_linear(Tensor x, Tensor q, Tensor scales, Tensor? wide=None) -> Tensor");
   lib.def("bf16_linear(Tensor x, Tensor w, Tensor? wide=None) -> Tensor");
+  lib.def("f32_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(igserve, CPU, lib) {
   lib.impl("q4_linear", igserve::q4_linear);
   lib.impl("i8_linear", igserve::i8_linear);
   lib.impl("bf16_linear", igserve::bf16_linear);
+  lib.impl("f32_linear", igserve::f32_linear);
 }
 
 // A weight reordered for oneDNN (int4bf16's, bf16's) is an MkldnnCPU tensor, which routes the call here.

@@ -15,4 +15,6 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
                      const std::optional<at::Tensor>& wide = std::nullopt);
 // x [R, K] float32 @ W^T for a bfloat16 W [N, K] (each weight widened to float32); wide: as for q4_linear
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& wide = std::nullopt);
+// x [R, K] float32 @ W^T for a float32 W [N, K]: the register tiles for up to 4 rows, at::linear above
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w);
 }  // namespace igserve
