@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from conftest import (TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, free_port, metr
                       wait_process)
 
 from router.router import Router, chat_routing_text
-from server import api, loading, protocol, serving
+from server import api, loading, protocol, serving, weights
 from server.engine import LLMEngine, Request
 from server.runner import BlockRunner
 from server.sampling import SamplingParams
@@ -646,6 +647,9 @@ def test_bench_serve_reports_every_run(live_server, tmp_path):
     # the dense runs' prompts share their chat template's start, which the prefix cache holds
     assert max(r["prompt_cached_share"] for r in result["runs"] if r["mode"] == "dense") > 0
     assert set(result["acceptance"]) >= {"router_ok", "ig_faster_ok", "scaling_ok"}
+    # the machine the command ran on and the command itself, as every bench report records them
+    assert result["machine"]["cpu_flags"] == weights.cpu_flags() and result["machine"]["cpus"] == os.cpu_count()
+    assert result["command"].startswith("igserve bench serve --url ") and "--clients 1,2" in result["command"]
 
 
 def test_tokenize_and_detokenize_as_vllm(live_server, model, tiny, tiny_bank):

@@ -590,6 +590,7 @@ def test_bench_quality_appends_a_format_and_replaces_one_measured_again(tiny_mod
     again = json.loads(out.read_text())
     assert [r["weights"] for r in again["formats"]] == ["fp32", "int4", "int8"]
     assert again["formats"][1]["ppl"] == pytest.approx(int4["ppl"], rel=1e-3) and len(again["commands"]) == 2
+    assert again["machine"] == weights.machine() and again["machine"]["cpu_flags"] == weights.cpu_flags()
 
 
 @native
