@@ -153,6 +153,16 @@ def pack_q4_tiles(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Te
     return torch.cat([nibbles, *scales], -1).contiguous()
 
 
+def pack_i8_tiles(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights q [N, K] as 16-channel tiles, uint8 [N/16, K/32, 512]: per 16 channels and group,
+    eight 64-byte blocks, byte 4c + i of block j holding q + 128 at position 4j + i of ``Q8_ORDER``
+    (weight_only.cpp, i8_tile_i8x2)."""
+    n, k = q.shape
+    t, g = n // 16, k // 32
+    u = (q.to(torch.int16) + 128).to(torch.uint8).view(t, 16, g, 32)[..., Q8_ORDER]
+    return u.reshape(t, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512).contiguous()
+
+
 def round_q8(x2: torch.Tensor) -> torch.Tensor:
     """The reference of the kernels' activation rounding: per row and group of 32, scale d =
     absmax / 127 and x -> d * round(x / d) (ties to even)."""
@@ -186,9 +196,12 @@ def round_i8x2(x2: torch.Tensor) -> torch.Tensor:
     return (unit.double() * a.double() + (unit / 256).double() * b.double()).view_as(x2)
 
 
-def i8_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, wide: torch.Tensor | None = None) -> torch.Tensor:
-    """x2 [R, K] float32 @ (q * scales[:, None])^T -> [R, N] float32; ``wide`` as for ``q4_linear``."""
-    return torch.ops.igserve.i8_linear(x2, q, scales, wide)
+def i8_linear(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, wide: torch.Tensor | None = None,
+              tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [R, K] float32 @ (q * scales[:, None])^T -> [R, N] float32; ``wide`` as for ``q4_linear``;
+    ``tiles``: q as ``pack_i8_tiles`` lays it out, for up to ``tile_rows()`` rows where
+    ``vnni_tiles()`` (x in two int8 digits per group, as int4bf16's linears)."""
+    return torch.ops.igserve.i8_linear(x2, q, scales, wide, tiles)
 
 
 def bf16_linear(x2: torch.Tensor, w: torch.Tensor, wide: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,8 +14,8 @@
   ``wide_rows()`` rows and more run oneDNN's bf16 matmuls on it; on a CPU with AVX-512 VNNI calls
   of up to ``tile_rows()`` rows of an int4 linear multiply the Q4_1 groups, in 16-channel tiles, in
   integer dot products (the weights exact, x in two int8 digits per group: 2^-16 of the group's
-  largest value), which reaches past ``wide_rows()``; without VNNI the rows below it run the
-  float32 kernels.
+  largest value), and the int8 lm_head's calls its int8 weights likewise; this reaches past
+  ``wide_rows()``. Without VNNI the rows below it run the float32 kernels.
 * ``int8``: symmetric per-output-channel int8 (``_weight_int8pack_mm``), for 16/32-bit models.
 * ``bf16``: bfloat16 weights. With float32 activations (the default where igserve's kernels run)
   every linear is a ``Bf16Linear``: few rows widen each weight to float32 exactly, ``wide_rows()``
@@ -296,18 +296,34 @@ class Int8Linear(_WeightOnlyLinear):
         self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).to(device))
         self.register_buffer("scales", scale.to(device=device, dtype=dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
-        # int4bf16's lm_head: its int8 weights in bfloat16 too, for calls of many rows (as Int4Linear)
+        # int4bf16's lm_head: its int8 weights in bfloat16 too, for calls of many rows, and as
+        # 16-channel tiles for few rows on AVX-512 VNNI (as Int4Linear's; both made on first use)
         self._wide = True if native and wide else None
+        if native and wide and self.out_features % 16 == 0:
+            from server import cpu_kernels
+
+            self._tiles = True if cpu_kernels.vnni_tiles() else None
 
     @property
     def kernel_dtype(self) -> torch.dtype:
         return self.scales.dtype
 
-    def _matmul(self, x2):
-        if self.native:  # one kernel for every row count (server/cpu_kernels.py)
+    @property
+    def tiles(self) -> torch.Tensor | None:
+        """The weights as ``cpu_kernels.pack_i8_tiles`` lays them out, where this linear's kernel reads
+        them (else None), made on first use."""
+        tiles = getattr(self, "_tiles", None)
+        if tiles is True:
             from server import cpu_kernels
 
-            return cpu_kernels.i8_linear(x2.contiguous(), self.weight, self.scales, self._wide_for(x2))
+            tiles = self._tiles = cpu_kernels.pack_i8_tiles(self.weight)
+        return tiles
+
+    def _matmul(self, x2):
+        if self.native:  # igserve's kernels for every row count (server/cpu_kernels.py)
+            from server import cpu_kernels
+
+            return cpu_kernels.i8_linear(x2.contiguous(), self.weight, self.scales, self._wide_for(x2), self.tiles)
         if x2.is_cuda:  # untested: dequantising matmul
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if x2.shape[0] >= self.DENSE_ROWS:
@@ -488,7 +504,8 @@ def kernel_tensors(linear: torch.nn.Module) -> tuple[list[torch.Tensor], torch.T
         extra = [t for t in (linear.wide, linear.tiles) if t is not None]
         return [linear.qs, linear.dm] + extra, linear.bias
     if isinstance(linear, Int8Linear) and linear.native:
-        return [linear.weight, linear.scales] + ([] if linear.wide is None else [linear.wide]), linear.bias
+        extra = [t for t in (linear.wide, linear.tiles) if t is not None]
+        return [linear.weight, linear.scales] + extra, linear.bias
     if isinstance(linear, Bf16Linear) and linear.native:
         return [linear.weight] + ([] if linear.wide is None else [linear.wide]), linear.bias
     return None

@@ -220,7 +220,7 @@ def test_int4bf16_switches_to_onednn_at_5_rows_with_amx_else_at_14_and_tiles_run
 @pytest.mark.parametrize("offset", [-13, -1, 0, 1, 19])
 def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
     """int4bf16 (its int4 linears and int8 lm_head): below ``wide_rows()`` rows the float32
-    kernel's exact bits (but for int4's ``tile_rows()`` on AVX-512 BF16, next test), from there
+    kernel's exact bits (but for ``tile_rows()`` on AVX-512 VNNI, next tests), from there
     torch's bf16 matmul of the bf16-rounded dequantised weight (within bf16 rounding of the exact
     product)."""
     rows = max(1, cpu_kernels.wide_rows() + offset)  # -13: one row (14 rows without AMX, 5 with)
@@ -235,7 +235,7 @@ def test_wide_linears_multiply_many_rows_in_bfloat16(offset, kind):
     assert exact.wide is None and wide.wide.dtype == torch.bfloat16
     assert cost.module_bytes(wide) == cost.module_bytes(exact)  # a one-row step reads the int4 groups only
     x = torch.randn(rows, 96)
-    few_bf16 = kind == "int4" and cpu_kernels.vnni_tiles() and rows <= cpu_kernels.tile_rows()  # (next test)
+    few_bf16 = cpu_kernels.vnni_tiles() and rows <= cpu_kernels.tile_rows()  # the tiles (next tests)
     if few_bf16:
         torch.testing.assert_close(wide(x), exact(x), rtol=2e-2, atol=5e-2)
     elif offset < 0:
@@ -284,6 +284,39 @@ def test_few_int4bf16_rows_multiply_exact_weights_by_two_digit_x_where_the_cpu_d
         assert torch.equal(wide(x), F.linear(x.bfloat16(), exact.dequantized().bfloat16()).float())
     else:
         assert torch.equal(wide(x), exact(x))
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 32, 33])
+def test_int4bf16_lm_head_few_rows_multiply_int8_weights_by_two_digit_x_where_the_cpu_does(rows):
+    """int4bf16's int8 lm_head, up to ``tile_rows()`` rows on AVX-512 VNNI: integer dot products of
+    the int8 weights (+ 128, in 16-channel tiles) with x in two int8 digits per group, the offset
+    taken off in int32: the product of ``round_i8x2(x)`` with the dequantised weights to float32
+    rounding, far closer to the exact product than bf16 rounding of x; a row's result does not
+    depend on the rows beside it. More rows, or no VNNI: as before (previous test)."""
+    w = _weight(n=80, k=576, seed=rows)
+    wide = weights.Int8Linear(w, None, torch.float32, native=True, wide=True)
+    exact = weights.Int8Linear(w, None, torch.float32, native=True)
+    assert exact.tiles is None
+    x = torch.randn(rows, 576) * 3
+    x[:, 5] += 40
+    wd = exact.dequantized().double()
+    if not cpu_kernels.vnni_tiles():
+        assert wide.tiles is None
+        pytest.skip("the CPU has no AVX-512 VNNI: the previous test covers the int8 lm_head")
+    if rows > cpu_kernels.tile_rows():  # oneDNN's bf16 matmul, as without the tiles
+        assert torch.equal(wide(x), F.linear(x.bfloat16(), exact.dequantized().bfloat16()).float())
+        return
+    assert wide.tiles.shape == (5, 576 // 32, 512) and wide.tiles.dtype == torch.uint8
+    torch.testing.assert_close(wide(x), (cpu_kernels.round_i8x2(x) @ wd.T).float(), rtol=1e-5, atol=1e-5)
+    true = x.double() @ wd.T
+    err, bf16_err = (wide(x) - true).abs().max(), (x.bfloat16().double() @ wd.T - true).abs().max()
+    assert err < bf16_err / 10, (err, bf16_err)
+    for r in range(rows):
+        assert torch.equal(wide(x[r:r + 1]), wide(x)[r:r + 1])
+    fused = weights.fuse([wide, type(wide).cat([wide])])
+    assert weights.kernel_tensors(fused)[0][-1].shape == (10, 576 // 32, 512)
+    assert torch.equal(fused(x), torch.cat([wide(x), wide(x)], -1))
 
 
 @native

@@ -78,7 +78,7 @@ inline void store8(at::Half* p, __m256 v) {
 
 // y = x W^T (+ b); W as the formats store it: [qs, dm] (Q4_1; q8: int8-rounded activations), [q, scales]
 // (int8), [bf16 weight] or [float32 weight], then optionally a copy for oneDNN's bf16 matmul (int4bf16,
-// int8 with wide, bf16) and, for Q4_1, uint8 tiles.
+// int8 with wide, bf16) and, for Q4_1 and int8 with wide, uint8 tiles.
 at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at::Tensor>& bias, bool q8) {
   TORCH_CHECK(!w.empty(), "a linear needs its weight tensors");
   at::Tensor y;
@@ -90,7 +90,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, const std::optional<at:
   } else if (w[0].scalar_type() == at::kByte) {
     y = igserve::q4_linear(x, w[0], w[1], q8, wide, tiles);
   } else if (w[0].scalar_type() == at::kChar) {
-    y = igserve::i8_linear(x, w[0], w[1], wide);
+    y = igserve::i8_linear(x, w[0], w[1], wide, tiles);
   } else {
     TORCH_CHECK(w[0].scalar_type() == at::kFloat, "dense weights must be float32");
     y = igserve::f32_linear(x, w[0]);

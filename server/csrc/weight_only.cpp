@@ -331,13 +331,14 @@ IGSERVE_VNNI void q8_tile_row(const uint8_t* tiles, const Q8Rows& x, int64_t t0,
 struct I8x2Rows {
   std::vector<int8_t> a, b;  // [R, K] each, q8_row's order per group
   std::vector<float> e, s;   // [R, G]: the digits' unit e and the sum of the rounded x per group
+  std::vector<int32_t> t;    // [R, G]: sum(256 a + b), so s = e t
   int64_t K, G;
 };
 
 IGSERVE_VNNI I8x2Rows i8x2_rows(const float* x, int64_t R, int64_t K) {
   const int64_t G = K / GROUP;
   I8x2Rows r{std::vector<int8_t>(R * K), std::vector<int8_t>(R * K), std::vector<float>(R * G),
-             std::vector<float>(R * G), K, G};
+             std::vector<float>(R * G), std::vector<int32_t>(R * G), K, G};
   for (int64_t i = 0; i < R * G; ++i) {
     const float* xg = x + i * GROUP;
     const __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);  // elements 0..15, 16..31
@@ -365,7 +366,8 @@ IGSERVE_VNNI I8x2Rows i8x2_rows(const float* x, int64_t R, int64_t K) {
     }
     const bool finite = std::isfinite(_mm512_reduce_add_ps(_mm512_add_ps(lo, hi)));
     r.e[i] = finite ? unit / 256.0f : std::numeric_limits<float>::quiet_NaN();
-    r.s[i] = r.e[i] * static_cast<float>(_mm512_reduce_add_epi32(total));  // |sum| < 2^24: exact
+    r.t[i] = _mm512_reduce_add_epi32(total);
+    r.s[i] = r.e[i] * static_cast<float>(r.t[i]);  // |sum| < 2^24: exact
   }
   return r;
 }
@@ -418,6 +420,60 @@ IGSERVE_VNNI void q4_tiles_i8x2(const uint8_t* tiles, const I8x2Rows& x, int64_t
       else if (n == 3) q4_tile_i8x2<3>(tiles, x, r0, t, y, N);
       else if (n == 2) q4_tile_i8x2<2>(tiles, x, r0, t, y, N);
       else q4_tile_i8x2<1>(tiles, x, r0, t, y, N);
+    }
+}
+
+// int4bf16's int8 lm_head for few rows on AVX-512 VNNI, over `tiles` (cpu_kernels.pack_i8_tiles): per
+// 16-channel tile and group of 32, eight 64-byte blocks, byte 4c + i of block j holding channel c's
+// weight + 128 (unsigned, for vpdpbusd) at position 4j + i of q8_row's order, the digits' order. With
+// x in two int8 digits as for int4 (i8x2_rows): sum w (256 a + b) = 256 sum(w' a) + sum(w' b) - 128 t
+// for w' = w + 128 and t = sum(256 a + b), all in int32 (|256 sum(w' a)| < 2^31), so the only
+// rounding is the int32 to float32 of each group's sum. Then y = scale (sum over groups of e S).
+constexpr int64_t I8_TILE_BYTES = 8 * 64;
+
+template <int RB>
+IGSERVE_VNNI void i8_tile_i8x2(const uint8_t* tiles, const I8x2Rows& x, const float* scales, int64_t r0, int64_t t,
+                               float* y, int64_t N) {
+  const uint8_t* p = tiles + t * x.G * I8_TILE_BYTES;
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.G; ++g, p += I8_TILE_BYTES) {
+    for (int64_t l = 0; l < I8_TILE_BYTES; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF + l), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF_L2 + l), _MM_HINT_T1);
+    }
+    __m512i sa[RB], sb[RB];
+    for (int r = 0; r < RB; ++r) sa[r] = sb[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * j);
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        const int64_t at = (r0 + r) * x.K + g * GROUP;
+        sa[r] = _mm512_dpbusd_epi32(sa[r], v, _mm512_set1_epi32(reinterpret_cast<const int32_t*>(x.a.data() + at)[j]));
+        sb[r] = _mm512_dpbusd_epi32(sb[r], v, _mm512_set1_epi32(reinterpret_cast<const int32_t*>(x.b.data() + at)[j]));
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      const int64_t i = (r0 + r) * x.G + g;
+      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sa[r], 8), sb[r]),
+                                           _mm512_set1_epi32(128 * x.t[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(x.e[i]), acc[r]);
+    }
+  }
+  const __m512 sc = _mm512_loadu_ps(scales + t * TILE_CH);
+  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(y + (r0 + r) * N + t * TILE_CH, _mm512_mul_ps(acc[r], sc));
+}
+
+IGSERVE_VNNI void i8_tiles_i8x2(const uint8_t* tiles, const I8x2Rows& x, const float* scales, int64_t R, int64_t t0,
+                                int64_t t1, float* y, int64_t N) {
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t n = std::min<int64_t>(4, R - r0);
+      if (n == 4) i8_tile_i8x2<4>(tiles, x, scales, r0, t, y, N);
+      else if (n == 3) i8_tile_i8x2<3>(tiles, x, scales, r0, t, y, N);
+      else if (n == 2) i8_tile_i8x2<2>(tiles, x, scales, r0, t, y, N);
+      else i8_tile_i8x2<1>(tiles, x, scales, r0, t, y, N);
     }
 }
 
@@ -672,14 +728,28 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 }
 
 at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& wide) {
+                     const std::optional<at::Tensor>& wide, const std::optional<at::Tensor>& tiles) {
   const int64_t N = q.size(0), K = q.size(1);
   check_x(x, K);
-  if (auto y = wide_or_none(x, wide, N, K)) return *y;
+  const bool row_tiles = tiles && tiles->defined() && x.size(0) <= tile_rows() && has_vnni();
+  if (!row_tiles)
+    if (auto y = wide_or_none(x, wide, N, K)) return *y;
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be float32 [N]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "scales must be contiguous float32 [N]");
   const int64_t R = x.size(0);
   at::Tensor y = at::empty({R, N}, x.options());
+  if (row_tiles) {  // int4bf16's lm_head: few rows on the VNNI tiles
+    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() && N % TILE_CH == 0 &&
+                    tiles->numel() == N * K,
+                "tiles must be contiguous uint8 [N/16, K/32, 512]");
+    const I8x2Rows xd = i8x2_rows(x.data_ptr<float>(), R, K);
+    const uint8_t* tp = tiles->data_ptr<uint8_t>();
+    const float* sp = scales.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, N / TILE_CH, 2, [&](int64_t b, int64_t e) { i8_tiles_i8x2(tp, xd, sp, R, b, e, yp, N); });
+    return y;
+  }
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -724,7 +794,7 @@ TORCH_LIBRARY(igserve, lib) {
   lib.def("wide_rows() -> int", wide_rows);
   lib.def("tile_rows() -> int", bf16_tile_rows);
   lib.def("vnni_tiles() -> bool", vnni_tiles);
-  lib.def("i8_linear(Tensor x, Tensor q, Tensor scales, Tensor? wide=None) -> Tensor");
+  lib.def("i8_linear(Tensor x, Tensor q, Tensor scales, Tensor? wide=None, Tensor? tiles=None) -> Tensor");
   lib.def("bf16_linear(Tensor x, Tensor w, Tensor? wide=None) -> Tensor");
   lib.def("f32_linear(Tensor x, Tensor w) -> Tensor");
 }

@@ -10,9 +10,11 @@ namespace igserve {
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, bool q8 = false,
                      const std::optional<at::Tensor>& wide = std::nullopt,
                      const std::optional<at::Tensor>& tiles = std::nullopt);
-// x [R, K] float32 @ (q * scales[:, None])^T, q int8 [N, K] -> [R, N]; wide: as for q4_linear
+// x [R, K] float32 @ (q * scales[:, None])^T, q int8 [N, K] -> [R, N]; wide: as for q4_linear; tiles: q + 128
+// in 16-channel tiles (uint8 [N/16, K/32, 512]), used for up to tile_rows() rows on AVX-512 VNNI
 at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& wide = std::nullopt);
+                     const std::optional<at::Tensor>& wide = std::nullopt,
+                     const std::optional<at::Tensor>& tiles = std::nullopt);
 // x [R, K] float32 @ W^T for a bfloat16 W [N, K] (each weight widened to float32); wide: as for q4_linear
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& wide = std::nullopt);
 // x [R, K] float32 @ W^T for a float32 W [N, K]: the register tiles for up to 4 rows, at::linear above
