@@ -106,47 +106,37 @@ struct I8 {
   inline float scale(int64_t n) const { return s[n]; }
 };
 
-// bfloat16 [N, K]: a weight is the high half of its float32, so expanding one is exact (a widening
-// load and a shift) and the products with float32 x are as the float32 reference rounds them.
-struct BF16 {
-  const uint16_t* w;  // [N, K]
-  int64_t K;
-  struct Channel {
-    const uint16_t* w;
-    int64_t ahead;  // elements to the same place AHEAD channels on
-    inline void prefetch(int64_t g) const {
-      _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP) + PF, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP + ahead), _MM_HINT_T0);
-    }
-    inline void expand(int64_t g, __m256 v[4]) const {
-      for (int i = 0; i < 4; ++i)
-        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * GROUP + 8 * i))), 16));
-    }
-  };
-  inline Channel channel(int64_t n) const { return {w + n * K, AHEAD * K}; }
-  inline float scale(int64_t) const { return 1.0f; }
-};
+// Eight weights as float32: bfloat16 is the high half of its float32, so widening one is exact (a
+// widening load and a shift) and the products with float32 x are as the float32 reference rounds them.
+inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 
-// float32 [N, K]: nothing to expand, so only few rows run here (f32_linear); the register tiles
-// read each weight once for all their rows and prefetch ahead as for the other formats.
-struct F32 {
-  const float* w;  // [N, K]
+// A plain [N, K] weight: bfloat16 bits (format bf16) or float32 (format fp32, few rows only:
+// f32_linear). Nothing to dequantise; the register tiles read each weight once for all their rows
+// and prefetch ahead as for the other formats.
+template <typename T>
+struct Plain {
+  const T* w;  // [N, K]
   int64_t K;
   struct Channel {
-    const float* w;
+    const T* w;
     int64_t ahead;  // elements to the same place AHEAD channels on
     inline void prefetch(int64_t g) const {
       _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP) + PF, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w + g * GROUP + ahead), _MM_HINT_T0);
     }
     inline void expand(int64_t g, __m256 v[4]) const {
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(w + g * GROUP + 8 * i);
+      for (int i = 0; i < 4; ++i) v[i] = widen8(w + g * GROUP + 8 * i);
     }
   };
   inline Channel channel(int64_t n) const { return {w + n * K, AHEAD * K}; }
   inline float scale(int64_t) const { return 1.0f; }
 };
+using BF16 = Plain<uint16_t>;
+using F32 = Plain<float>;
 
 // y[r0 .. r0+RB, n0 .. n0+NC]: every weight group is expanded once and used by RB rows; the
 // NC * RB accumulators stay in registers, x is read straight into the FMAs.
