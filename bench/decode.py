@@ -145,7 +145,7 @@ def run(args) -> int:
         "cpu": wf.cpu_model(), "cpu_flags": wf.cpu_flags(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "auto_weights": wf.auto_format(),
-        "kernels": {fmt: wf.kernels(lm.model) for fmt, lm in lms.items()},
+        "kernels": {fmt: runner.kernels for fmt, runner in runners.items()},
         **cpu_kernels.int4bf16_rows(),
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,

@@ -21,7 +21,7 @@ from masks.bank import DENSE, BankError, MaskBank
 from router.encoder import load_encoder
 from router.lm_features import TokenTable
 from router.router import Router
-from server import models, weights as wf
+from server import models
 from server.async_engine import AsyncEngine
 from server.config import ServeConfig
 from server.depth import AdaptiveDepth
@@ -57,7 +57,7 @@ class Loaded:
     metrics: ServingMetrics
     dtype: str
     weights: str
-    kernels: str  # "igserve-avx2" or "torch" (server/weights.py)
+    kernels: str  # "igserve-avx2" (the fused blocks or igserve's quantised linears run) or "torch"
     structured: StructuredOutputs  # response_format grammars for this tokenizer (built once: walks the vocabulary)
     router: Router | None  # None: dense mode
     kv_cache_dtype: str
@@ -101,11 +101,11 @@ def load_served(cfg: ServeConfig, on_death: Callable[[str], None] = lambda messa
     weights, lm_dtype = models.resolve_weights(cfg.weights, cfg.dtype, cfg.device)
     dtype_name = str(lm_dtype).removeprefix("torch.")
     lm = models.load(cfg.model, device=cfg.device, dtype=lm_dtype, weights=weights)
-    kernels = wf.kernels(lm.model)
-    log.info("model %s: %s weights (%s kernels), %s activations on %s", lm.name, weights, kernels, dtype_name,
-             cfg.device)
     kv_dtype = "auto" if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
     runner = BlockRunner(lm.model, max_batch=cfg.max_batch, max_len=cfg.max_model_len, kv_dtype=kv_dtype)
+    kernels = runner.kernels
+    log.info("model %s: %s weights (%s kernels), %s activations on %s", lm.name, weights, kernels, dtype_name,
+             cfg.device)
     log.info("KV cache: %s, %d slots of %d positions", runner.cache.dtype, cfg.max_batch, runner.max_len)
     if cfg.adaptive_depth_budget is not None and not cfg.adaptive_depth:
         raise BankError("--adaptive-depth-budget needs --adaptive-depth")

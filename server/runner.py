@@ -144,6 +144,12 @@ class BlockRunner:
         self.stack = self._fused_stack() if self.fused is not None else None
 
     @property
+    def kernels(self) -> str:
+        """Which kernels run (in /health and reports): "igserve-avx2" where the fused blocks do (every
+        format they take, fp32's plain linears included) or the linears are igserve's, else "torch"."""
+        return "igserve-avx2" if self.fused is not None else weights.kernels(self.model)
+
+    @property
     def packs_rows(self) -> bool:
         """Cached forwards cost what their real tokens cost, not the padded chunk length (the fused
         blocks gather the real tokens), so decode rows and prefill chunks can share one forward."""

@@ -22,7 +22,7 @@ from conftest import (TEST_API_KEY, TINY_BANK_TEXTS, LiveServer, free_port, metr
                       wait_process)
 
 from router.router import Router, chat_routing_text
-from server import api, loading, protocol, serving, weights
+from server import api, cpu_kernels, loading, protocol, serving, weights
 from server.engine import LLMEngine, Request
 from server.runner import BlockRunner
 from server.sampling import SamplingParams
@@ -71,11 +71,9 @@ def test_models_and_health(live_server, client, model, tiny_bank):
     assert health.status_code == 200
     assert health.json()["status"] == "ok" and health.json()["routing"] == "ig"
     assert health.json()["masks"] == tiny_bank.all_mask_ids()
-    from server import cpu_kernels
-
     body = health.json()
-    expect = "igserve-avx2" if body["weights"] in ("int4", "int4q8", "int4bf16", "int8") and body["dtype"] == "float32" \
-        and cpu_kernels.available() else "torch"
+    # every format runs igserve's kernels where the fused blocks do (float32 activations), fp32 too
+    expect = "igserve-avx2" if body["dtype"] == "float32" and cpu_kernels.available() else "torch"
     assert body["kernels"] == expect
     # auto: a float16 cache where the fused CPU blocks run (float32 activations with igserve's kernels)
     fused = body["dtype"] == "float32" and cpu_kernels.available()
@@ -608,7 +606,8 @@ def test_real_model_chat_matches_hf_generate(real, dtype):
     server = LiveServer(ServeConfig(model=real.name, bank=None, max_batch=2, max_model_len=512, dtype=dtype)).start()
     try:
         health = httpx.get(server.base_url + "/health").json()
-        assert health["dtype"] == dtype and health["kernels"] == "torch"
+        assert health["dtype"] == dtype and health["kernels"] == (
+            "igserve-avx2" if dtype == "float32" and cpu_kernels.available() else "torch")
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         r = server.client().chat.completions.create(model=real.name, messages=messages, max_tokens=12,
                                                     temperature=0)
