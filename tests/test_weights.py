@@ -142,7 +142,7 @@ def test_native_int8_kernel_is_its_dequantised_weight(rows):
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 16])
 def test_native_f32_kernel_is_the_float32_product(rows):
     """The fp32 format's linears in the fused blocks, and its lm_head: up to 4 rows igserve's register
-    tiles (a row's bits the same in any batch of 2 to 4), from 5 torch's matmul."""
+    tiles (a row's bits the same in any batch of up to 4), from 5 torch's matmul."""
     w = _weight(n=67, k=96, seed=rows)  # 67 channels: the one-channel tail of every pass
     x = torch.randn(rows, 96)
     y = cpu_kernels.f32_linear(x, w)
