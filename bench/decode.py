@@ -11,7 +11,6 @@ Each figure is the median of ``--repeats`` runs, interleaved so machine load hit
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -142,7 +141,7 @@ def run(args) -> int:
         "fingerprint": lm0.fingerprint,
         "threads": torch.get_num_threads(),
         "device": "cpu",
-        "cpu": wf.cpu_model(), "cpu_flags": wf.cpu_flags(), "cpus": os.cpu_count(),
+        **wf.machine(),
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "auto_weights": wf.auto_format(),
         "kernels": {fmt: runner.kernels for fmt, runner in runners.items()},

@@ -11,7 +11,6 @@ server/cost.py). Same shapes, same process: the families and formats compare dir
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -76,7 +75,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     report = {"command": args.invocation, "model": args.model, "threads": torch.get_num_threads(),
-              "cpu": wf.cpu_model(), "cpu_flags": wf.cpu_flags(), "cpus": os.cpu_count(),
+              **wf.machine(),
               "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "repeats": args.repeats, **cpu_kernels.int4bf16_rows(), "formats": {}}
     for fmt in args.weights.split(","):

@@ -156,6 +156,18 @@ class _WeightOnlyLinear(torch.nn.Module):
             packed = self._wide = _Packed(_wide_weight(self.dequantized()))
         return None if packed is None else packed.tensor
 
+    @property
+    def tiles(self) -> torch.Tensor | None:
+        """The weights in 16-channel tiles (``_pack_tiles``) where this linear's kernel reads them (else
+        None), made on first use: the parts of a fused linear never hold a copy."""
+        tiles = getattr(self, "_tiles", None)
+        if tiles is True:
+            tiles = self._tiles = self._pack_tiles()
+        return tiles
+
+    def _pack_tiles(self) -> torch.Tensor:
+        raise NotImplementedError
+
     def _wide_for(self, x2: torch.Tensor) -> torch.Tensor | None:
         """``wide`` for a call that multiplies in bf16 (``cpu_kernels.wide_rows()`` rows or more), else None."""
         from server import cpu_kernels
@@ -206,17 +218,11 @@ class Int4Linear(_WeightOnlyLinear):
     def kernel_dtype(self) -> torch.dtype:
         return torch.float32 if self.native else self.scales_zeros.dtype
 
-    @property
-    def tiles(self) -> torch.Tensor | None:
-        """The groups as ``cpu_kernels.pack_q4_tiles`` lays them out, where this linear's kernel reads
-        them (else None), made on first use: the parts of a fused linear never hold a copy."""
-        tiles = getattr(self, "_tiles", None)
-        if tiles is True:
-            from server import cpu_kernels
+    def _pack_tiles(self) -> torch.Tensor:
+        from server import cpu_kernels
 
-            d, m = cpu_kernels.unpack_dm(self.dm)
-            tiles = self._tiles = cpu_kernels.pack_q4_tiles(cpu_kernels.unpack_q4(self.qs), d, m)
-        return tiles
+        d, m = cpu_kernels.unpack_dm(self.dm)
+        return cpu_kernels.pack_q4_tiles(cpu_kernels.unpack_q4(self.qs), d, m)
 
     def _matmul(self, x2):
         if self.native:
@@ -308,16 +314,10 @@ class Int8Linear(_WeightOnlyLinear):
     def kernel_dtype(self) -> torch.dtype:
         return self.scales.dtype
 
-    @property
-    def tiles(self) -> torch.Tensor | None:
-        """The weights as ``cpu_kernels.pack_i8_tiles`` lays them out, where this linear's kernel reads
-        them (else None), made on first use."""
-        tiles = getattr(self, "_tiles", None)
-        if tiles is True:
-            from server import cpu_kernels
+    def _pack_tiles(self) -> torch.Tensor:
+        from server import cpu_kernels
 
-            tiles = self._tiles = cpu_kernels.pack_i8_tiles(self.weight)
-        return tiles
+        return cpu_kernels.pack_i8_tiles(self.weight)
 
     def _matmul(self, x2):
         if self.native:  # igserve's kernels for every row count (server/cpu_kernels.py)

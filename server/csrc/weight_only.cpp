@@ -271,8 +271,8 @@ constexpr int64_t TILE_CH = 16, TILE_BYTES = 256 + 64;
 // bytes ahead that the tile kernels prefetch into L1, and into L2 further on: one core's sequential
 // stream from DRAM runs well below its bandwidth on the hardware prefetcher alone (README, "Weight formats")
 constexpr int64_t TILE_PF = 2048, TILE_PF_L2 = 16384;
-inline void prefetch_tile_group(const uint8_t* p) {
-  for (int64_t l = 0; l < TILE_BYTES; l += 64) {
+inline void prefetch_tile_group(const uint8_t* p, int64_t bytes = TILE_BYTES) {
+  for (int64_t l = 0; l < bytes; l += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF + l), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF_L2 + l), _MM_HINT_T1);
   }
@@ -400,17 +400,23 @@ IGSERVE_VNNI void q4_tile_i8x2(const uint8_t* tiles, const I8x2Rows& x, int64_t 
   for (int r = 0; r < RB; ++r) _mm512_storeu_ps(y + (r0 + r) * N + t * TILE_CH, acc[r]);
 }
 
-// All R rows against tiles [t0, t1): per tile, the rows in passes of up to 4 (the tile stays in L1).
-IGSERVE_VNNI void q4_tiles_i8x2(const uint8_t* tiles, const I8x2Rows& x, int64_t R, int64_t t0, int64_t t1, float* y,
-                                int64_t N) {
+// All R rows against tiles [t0, t1): per tile, the rows in passes of up to 4 (the tile stays in L1);
+// pass(std::integral_constant<int, RB>, r0, t) runs RB rows from r0 against tile t.
+template <typename Pass>
+inline void tile_passes(int64_t R, int64_t t0, int64_t t1, Pass&& pass) {
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
       const int64_t n = std::min<int64_t>(4, R - r0);
-      if (n == 4) q4_tile_i8x2<4>(tiles, x, r0, t, y, N);
-      else if (n == 3) q4_tile_i8x2<3>(tiles, x, r0, t, y, N);
-      else if (n == 2) q4_tile_i8x2<2>(tiles, x, r0, t, y, N);
-      else q4_tile_i8x2<1>(tiles, x, r0, t, y, N);
+      if (n == 4) pass(std::integral_constant<int, 4>{}, r0, t);
+      else if (n == 3) pass(std::integral_constant<int, 3>{}, r0, t);
+      else if (n == 2) pass(std::integral_constant<int, 2>{}, r0, t);
+      else pass(std::integral_constant<int, 1>{}, r0, t);
     }
+}
+
+IGSERVE_VNNI void q4_tiles_i8x2(const uint8_t* tiles, const I8x2Rows& x, int64_t R, int64_t t0, int64_t t1, float* y,
+                                int64_t N) {
+  tile_passes(R, t0, t1, [&](auto rb, int64_t r0, int64_t t) { q4_tile_i8x2<decltype(rb)::value>(tiles, x, r0, t, y, N); });
 }
 
 // int4bf16's int8 lm_head for few rows on AVX-512 VNNI, over `tiles` (cpu_kernels.pack_i8_tiles): per
@@ -428,10 +434,7 @@ IGSERVE_VNNI void i8_tile_i8x2(const uint8_t* tiles, const I8x2Rows& x, const fl
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.G; ++g, p += I8_TILE_BYTES) {
-    for (int64_t l = 0; l < I8_TILE_BYTES; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF + l), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF_L2 + l), _MM_HINT_T1);
-    }
+    prefetch_tile_group(p, I8_TILE_BYTES);
     __m512i sa[RB], sb[RB];
     for (int r = 0; r < RB; ++r) sa[r] = sb[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -457,14 +460,9 @@ IGSERVE_VNNI void i8_tile_i8x2(const uint8_t* tiles, const I8x2Rows& x, const fl
 
 IGSERVE_VNNI void i8_tiles_i8x2(const uint8_t* tiles, const I8x2Rows& x, const float* scales, int64_t R, int64_t t0,
                                 int64_t t1, float* y, int64_t N) {
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t n = std::min<int64_t>(4, R - r0);
-      if (n == 4) i8_tile_i8x2<4>(tiles, x, scales, r0, t, y, N);
-      else if (n == 3) i8_tile_i8x2<3>(tiles, x, scales, r0, t, y, N);
-      else if (n == 2) i8_tile_i8x2<2>(tiles, x, scales, r0, t, y, N);
-      else i8_tile_i8x2<1>(tiles, x, scales, r0, t, y, N);
-    }
+  tile_passes(R, t0, t1, [&](auto rb, int64_t r0, int64_t t) {
+    i8_tile_i8x2<decltype(rb)::value>(tiles, x, scales, r0, t, y, N);
+  });
 }
 
 // One row against NC Q4_1 channels with integer dot products:
@@ -662,6 +660,11 @@ std::optional<at::Tensor> wide_or_none(const at::Tensor& x, const std::optional<
   return wide_linear(x.to(at::kBFloat16), *wide).to(at::kFloat);
 }
 
+// Whether a call of x's rows runs int4bf16's tiles (given, up to tile_rows() rows, AVX-512 VNNI).
+bool on_tiles(const std::optional<at::Tensor>& tiles, const at::Tensor& x) {
+  return tiles && tiles->defined() && x.size(0) <= tile_rows() && has_vnni();
+}
+
 }  // namespace
 
 namespace igserve {
@@ -670,7 +673,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                      const std::optional<at::Tensor>& wide, const std::optional<at::Tensor>& tiles_) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2;
   check_x(x, K);
-  const bool row_tiles = !q8 && tiles_ && tiles_->defined() && x.size(0) <= tile_rows() && has_vnni();
+  const bool row_tiles = !q8 && on_tiles(tiles_, x);
   if (!row_tiles)
     if (auto y = wide_or_none(x, wide, N, K)) return *y;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs must be contiguous uint8 [N, K/2]");
@@ -721,7 +724,7 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
                      const std::optional<at::Tensor>& wide, const std::optional<at::Tensor>& tiles) {
   const int64_t N = q.size(0), K = q.size(1);
   check_x(x, K);
-  const bool row_tiles = tiles && tiles->defined() && x.size(0) <= tile_rows() && has_vnni();
+  const bool row_tiles = on_tiles(tiles, x);
   if (!row_tiles)
     if (auto y = wide_or_none(x, wide, N, K)) return *y;
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
